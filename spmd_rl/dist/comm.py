@@ -1,0 +1,100 @@
+"""Moving data between ranks and failing together.
+
+All pools live in one world, so data crosses ranks and pools with torch.distributed: gloo for
+small Python objects (prompt indices, per-row metadata), the device backend for tensors.
+
+    indices = broadcast_object(draw() if rank == 0 else None, src=0, group=g)
+    batch = relayout(batch, src=(dp_rank, dp_size), dst=(dp_rank2, dp_size2), group=g, pad_token_id=p)
+    with fail_together(group=g, what="reward"):
+        scores = scorer(...)     # an exception on one rank stops every rank with its message
+
+A rank that raises while the others enter a collective would hang the job until the timeout;
+``fail_together`` turns that into the same clear error on every rank of the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.data.batch import RolloutBatch
+
+
+class RankFailure(RuntimeError):
+    """Raised on every rank of a group when any rank failed inside :func:`fail_together`."""
+
+
+def _world(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def broadcast_object(obj: Any, *, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """``obj`` from global rank ``src`` to every rank of ``group``."""
+    if _world(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    n = _world(group)
+    if n == 1:
+        return [obj]
+    out: list[Any] = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def relayout(batch: RolloutBatch, *, src: tuple[int, int], dst: tuple[int, int],
+             group: dist.ProcessGroup | None, pad_token_id: int) -> RolloutBatch:
+    """Re-lay rows owned by ``src`` = (dp rank, dp size) to the ``dst`` = (dp rank, dp size) layout.
+
+    Rows are in global order when read rank by rank over the source data-parallel ranks; the
+    destination takes contiguous equal slices of that order, so all responses of a prompt (which
+    are contiguous) stay together when the per-rank row count is a multiple of ``rollout.n``.
+    Identity (no communication) when both layouts split the rows the same way.
+    """
+    if src == dst:
+        return batch
+    parts = all_gather_objects((src[0], batch.to(torch.device("cpu"))), group)
+    by_src: dict[int, RolloutBatch] = {}
+    for src_rank, part in parts:
+        by_src.setdefault(src_rank, part)  # ranks sharing a source dp rank hold the same rows
+    if sorted(by_src) != list(range(src[1])):
+        raise RuntimeError(f"relayout: expected source dp ranks 0..{src[1] - 1}, got {sorted(by_src)}")
+    full = RolloutBatch.concat([by_src[r] for r in range(src[1])], pad_token_id)
+    dst_rank, dst_size = dst
+    if len(full) % dst_size:
+        raise ValueError(f"relayout: {len(full)} rows do not split over {dst_size} data-parallel ranks")
+    size = len(full) // dst_size
+    return full.select(range(dst_rank * size, (dst_rank + 1) * size))
+
+
+@contextlib.contextmanager
+def fail_together(*, group: dist.ProcessGroup | None = None, what: str) -> Iterator[None]:
+    """Run the block on every rank; if any rank raised, raise on all of them.
+
+    The failing rank re-raises its own exception (so its type and traceback survive); the others
+    raise :class:`RankFailure` naming the failing rank(s) and their messages.
+    """
+    error: BaseException | None = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every error must reach the other ranks
+        error = e
+    if _world(group) > 1:
+        me = dist.get_rank()
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        reports = all_gather_objects((me, socket.gethostname(), message), group)
+        failed = [(r, h, m) for r, h, m in reports if m is not None]
+        if failed and error is None:
+            lines = "\n".join(f"  rank {r} ({h}): {m}" for r, h, m in failed)
+            raise RankFailure(f"{what} failed on {len(failed)} rank(s):\n{lines}")
+    if error is not None:
+        raise error
+

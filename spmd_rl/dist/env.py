@@ -1,0 +1,209 @@
+"""Who am I in the world: read the launcher's environment, pick the device, join the process group.
+
+    env = DistEnv.from_environ()          # torchrun, else Slurm (srun), else one process
+    env.init(device="auto", timeout_s=1800)
+    ...
+    env.shutdown()
+
+torchrun sets RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / GROUP_RANK / MASTER_ADDR /
+MASTER_PORT. Under ``srun`` with one task per GPU the project reads SLURM_PROCID / SLURM_LOCALID /
+SLURM_NTASKS / SLURM_NODEID and takes the master address from the first host of the job's node
+list. Without either, the process is a world of one. The backend is ``cpu:gloo,cuda:nccl`` on GPU
+(gloo carries Python objects, NCCL tensors) and ``gloo`` on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 29500
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm node list such as ``gpu[01-03,07],login1`` into host names, in order."""
+    hosts: list[str] = []
+    # Split on commas that are not inside brackets.
+    parts, depth, cur = [], 0, ""
+    for ch in nodelist:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur:
+        parts.append(cur)
+    for part in parts:
+        m = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", part)
+        if not m:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for rng in ranges.split(","):
+            if "-" in rng:
+                lo, hi = rng.split("-", 1)
+                width = len(lo)
+                hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
+            else:
+                hosts.append(f"{prefix}{rng}{suffix}")
+    return hosts
+
+
+@dataclass
+class DistEnv:
+    """This process's place in the world, as the launcher described it."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+    launcher: str = "single"
+    """`torchrun`, `slurm` or `single`."""
+    hostname: str = field(default_factory=socket.gethostname)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
+        env = os.environ if environ is None else environ
+        if "RANK" in env and "WORLD_SIZE" in env:
+            world = int(env["WORLD_SIZE"])
+            local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+            rank = int(env["RANK"])
+            return cls(
+                rank=rank,
+                local_rank=int(env.get("LOCAL_RANK", rank % max(local_world, 1))),
+                world_size=world,
+                local_world_size=local_world,
+                node_rank=int(env.get("GROUP_RANK", rank // max(local_world, 1))),
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+                launcher="torchrun",
+            )
+        if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+            world = int(env["SLURM_NTASKS"])
+            nodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")))
+            per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+            m = re.match(r"(\d+)", per_node)
+            local_world = int(m.group(1)) if m else max(world // max(nodes, 1), 1)
+            nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+            hosts = expand_slurm_nodelist(nodelist) if nodelist else []
+            master = env.get("MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1")
+            # A port derived from the job id lets two jobs on one node coexist without configuration.
+            job_id = env.get("SLURM_JOB_ID", "0")
+            port = int(env.get("MASTER_PORT", 20000 + int(job_id) % 20000 if job_id.isdigit() else DEFAULT_PORT))
+            return cls(
+                rank=int(env["SLURM_PROCID"]),
+                local_rank=int(env.get("SLURM_LOCALID", "0")),
+                world_size=world,
+                local_world_size=local_world,
+                node_rank=int(env.get("SLURM_NODEID", "0")),
+                master_addr=master,
+                master_port=port,
+                launcher="slurm",
+            )
+        return cls()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def pick_device(self, device: str = "auto") -> torch.device:
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("trainer.device=cuda but torch sees no CUDA device; use --trainer.device cpu")
+        if device in ("auto", "cuda") and torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            if self.local_rank >= count:
+                raise ValueError(
+                    f"LOCAL_RANK {self.local_rank} has no GPU: this node shows {count} CUDA device(s); "
+                    f"start at most {count} processes per node (--nproc-per-node)"
+                )
+            torch.cuda.set_device(self.local_rank)
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    def init(self, *, device: str = "auto", timeout_s: int = 1800) -> "DistEnv":
+        """Pick the device and join the world's default process group (also for a world of one)."""
+        self.device = self.pick_device(device)
+        if dist.is_initialized():
+            return self
+        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        os.environ.setdefault("MASTER_ADDR", self.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(self.master_port))
+        init_method = None if self.launcher != "single" else f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method or "env://",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
+        return self
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "rank": self.rank,
+            "node": self.node_rank,
+            "host": self.hostname,
+            "local_rank": self.local_rank,
+            "device": str(self.device),
+        }
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gather_rank_table(env: DistEnv, pool_names_by_rank: Mapping[int, Mapping[str, int]]) -> list[dict[str, object]]:
+    """Every rank's description, gathered to all ranks (a collective: call on every rank)."""
+    mine = env.describe()
+    rows: list[dict[str, object]] = [dict() for _ in range(env.world_size)]
+    if env.world_size > 1:
+        dist.all_gather_object(rows, mine)
+    else:
+        rows = [mine]
+    for row in rows:
+        row["pools"] = dict(pool_names_by_rank.get(int(row["rank"]), {}))  # type: ignore[arg-type]
+    return rows
+
+
+def format_rank_table(rows: list[dict[str, object]]) -> str:
+    """The rank table rank 0 prints at start: rank, node, host, local rank, device, pools."""
+    def pools(row: dict[str, object]) -> str:
+        p = row.get("pools") or {}
+        return ", ".join(f"{name}:{local}" for name, local in p.items())  # type: ignore[union-attr]
+
+    header = ("rank", "node", "host", "local_rank", "device", "pools (name:pool rank)")
+    table = [header] + [
+        (str(r["rank"]), str(r["node"]), str(r["host"]), str(r["local_rank"]), str(r["device"]), pools(r))
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

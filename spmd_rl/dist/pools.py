@@ -1,0 +1,242 @@
+"""Resource pools: named, contiguous ranges of global ranks, each with its own process group.
+
+The pure part plans the pools for any world size, with no process group::
+
+    specs = plan_pools(world_size=4, reward_ranks=1)
+    # [PoolSpec(name='global', start=0, size=3), PoolSpec(name='reward', start=3, size=1)]
+    specs[1].local_rank(3)   # 0: pool-local ranks run 0..size-1
+
+After ``torch.distributed`` is initialised, every rank of the world builds all pools together
+(group creation is collective over the world)::
+
+    pools = Pools.build(specs)
+    pool = pools.get("global")          # raises, listing valid names, for an unknown name
+    pool.group, pool.rank, pool.size    # this process's group and pool-local rank (None if outside)
+    pools.get_optional("reward")        # None when the run has no reward pool
+
+By default there is one ``global`` pool holding every rank, shared (colocated) by actor,
+reference and rollout. ``pools.reward_ranks=N`` moves the last N ranks into a ``reward`` pool.
+Pools never overlap.
+
+``build_mesh`` / ``build_groups`` create a DeviceMesh or process groups over a range of global
+ranks; the layouts of :mod:`spmd_rl.dist.dims` use them in their ``build()``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+GLOBAL = "global"
+REWARD = "reward"
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """Global ranks ``start .. start + size - 1``; pool-local rank = global rank - start."""
+
+    name: str
+    start: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.size < 1:
+            raise ValueError(f"pool {self.name!r}: start ({self.start}) must be >= 0 and size ({self.size}) >= 1")
+
+    @property
+    def end(self) -> int:
+        """One past the last global rank of the pool."""
+        return self.start + self.size
+
+    @property
+    def ranks(self) -> list[int]:
+        """The pool's global ranks, ascending."""
+        return list(range(self.start, self.end))
+
+    def contains(self, rank: int) -> bool:
+        return self.start <= rank < self.end
+
+    def local_rank(self, rank: int) -> int:
+        """Pool-local rank of global ``rank``; ValueError when the pool does not hold it."""
+        if not self.contains(rank):
+            raise ValueError(
+                f"global rank {rank} is not in pool {self.name!r} (global ranks {self.start}..{self.end - 1})"
+            )
+        return rank - self.start
+
+    def global_rank(self, local_rank: int) -> int:
+        """Global rank of pool-local ``local_rank``."""
+        if not 0 <= local_rank < self.size:
+            raise ValueError(f"pool-local rank {local_rank} is outside pool {self.name!r} of size {self.size}")
+        return self.start + local_rank
+
+
+def plan_pools(world_size: int, reward_ranks: int = 0) -> list[PoolSpec]:
+    """Carve the world: ``global`` takes the first ranks, ``reward`` (if any) the last ``reward_ranks``."""
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    if reward_ranks < 0:
+        raise ValueError(f"pools.reward_ranks must be >= 0, got {reward_ranks}")
+    if reward_ranks >= world_size:
+        raise ValueError(
+            f"pools.reward_ranks ({reward_ranks}) must be smaller than the world size ({world_size}): "
+            f"the global pool needs at least one rank"
+        )
+    specs = [PoolSpec(GLOBAL, 0, world_size - reward_ranks)]
+    if reward_ranks:
+        specs.append(PoolSpec(REWARD, world_size - reward_ranks, reward_ranks))
+    return specs
+
+
+def member_of(specs: Sequence[PoolSpec], rank: int) -> list[str]:
+    """Names of the pools that hold global ``rank``, in plan order."""
+    return [s.name for s in specs if s.contains(rank)]
+
+
+def get_spec(specs: Sequence[PoolSpec], name: str) -> PoolSpec:
+    """The spec called ``name``; ValueError listing the valid names otherwise."""
+    for s in specs:
+        if s.name == name:
+            return s
+    raise ValueError(f"no pool named {name!r}; pools of this run: {', '.join(s.name for s in specs)}")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool as seen by this process: its spec and, when this process is a member, its group."""
+
+    spec: PoolSpec
+    group: ProcessGroup | None
+    """The pool's process group; None on processes outside the pool."""
+    rank: int | None
+    """This process's pool-local rank; None outside the pool."""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def size(self) -> int:
+        return self.spec.size
+
+    @property
+    def is_member(self) -> bool:
+        return self.rank is not None
+
+
+class Pools:
+    """All pools of the run, built on every rank of the world (see :meth:`build`)."""
+
+    def __init__(self, pools: Sequence[Pool], global_rank: int) -> None:
+        self._pools = {p.name: p for p in pools}
+        self.global_rank = global_rank
+
+    @classmethod
+    def build(cls, specs: Sequence[PoolSpec], *, timeout: timedelta | None = None) -> "Pools":
+        """Create one process group per pool. Collective: every rank of the world calls it with
+        the same specs; groups are created in spec order. A pool equal to the whole world uses
+        the default group."""
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool names must be unique, got {names}")
+        for s in specs:
+            if s.end > world:
+                raise ValueError(
+                    f"pool {s.name!r} (global ranks {s.start}..{s.end - 1}) does not fit in the world size ({world})"
+                )
+        pools = []
+        for s in specs:
+            if s.start == 0 and s.size == world:
+                group = dist.group.WORLD
+            else:
+                group = dist.new_group(ranks=s.ranks, timeout=timeout)
+            member = s.contains(rank)
+            pools.append(Pool(spec=s, group=group if member else None, rank=s.local_rank(rank) if member else None))
+        return cls(pools, rank)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._pools)
+
+    @property
+    def specs(self) -> list[PoolSpec]:
+        return [p.spec for p in self._pools.values()]
+
+    def get(self, name: str) -> Pool:
+        """The pool called ``name``; ValueError listing the valid names otherwise."""
+        if name not in self._pools:
+            raise ValueError(f"no pool named {name!r}; pools of this run: {', '.join(self._pools)}")
+        return self._pools[name]
+
+    def get_optional(self, name: str) -> Pool | None:
+        """The pool called ``name``, or None when the run has none."""
+        return self._pools.get(name)
+
+    def member_of(self, rank: int | None = None) -> list[str]:
+        """Names of the pools holding global ``rank`` (default: this process)."""
+        return member_of(self.specs, self.global_rank if rank is None else rank)
+
+    def mine(self) -> list[Pool]:
+        """The pools this process belongs to."""
+        return [p for p in self._pools.values() if p.is_member]
+
+
+# --------------------------------------------------------------------------- groups over a rank range
+
+
+def build_mesh(device_type: str, start: int, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh | None:
+    """A DeviceMesh over global ranks ``start..start+prod(shape)-1`` (C order), or None on ranks
+    outside it. Collective: every rank of the world calls it.
+
+    ``init_device_mesh`` always takes global ranks ``0..N-1``, so a pool that does not start at
+    rank 0 needs ``DeviceMesh(device_type, mesh=<tensor of global ranks>)``. Its constructor
+    creates the groups of every mesh axis with ``new_group`` (or ``split_group`` on an eagerly
+    initialised NCCL world), which is collective over the whole world, so ranks outside the mesh
+    must construct it too; they get a non-participating mesh (``get_coordinate() is None``).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    n, world = math.prod(shape), dist.get_world_size()
+    if start < 0 or start + n > world:
+        raise ValueError(f"a mesh of {n} ranks starting at global rank {start} does not fit in the world size ({world})")
+    ranks = torch.arange(start, start + n, dtype=torch.int).reshape(shape)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+    return mesh if mesh.get_coordinate() is not None else None
+
+
+def build_groups(groups: dict[str, list[list[int]]], start: int, timeout: timedelta | None) -> dict[str, ProcessGroup]:
+    """Create every group (shifted to global ranks by ``start``) on every rank of the world, in the
+    same order; return this rank's group per axis. Identical rank lists share one process group,
+    and a group equal to the whole world is the default group."""
+    import torch.distributed as dist
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    made: dict[tuple[int, ...], Any] = {}
+    mine: dict[str, ProcessGroup] = {}
+    for axis, axis_groups in groups.items():
+        for g in axis_groups:
+            ranks = tuple(start + r for r in g)
+            if ranks[0] < 0 or ranks[-1] >= world:
+                raise ValueError(f"group {list(ranks)} of axis {axis!r} does not fit in the world size ({world})")
+            if ranks not in made:
+                whole = ranks == tuple(range(world))
+                made[ranks] = dist.group.WORLD if whole else dist.new_group(list(ranks), timeout=timeout)
+            if me in ranks:
+                mine[axis] = made[ranks]
+    return mine
+
+
+__all__ = [
+    "GLOBAL", "REWARD", "Pool", "PoolSpec", "Pools", "build_groups", "build_mesh", "get_spec", "member_of", "plan_pools",
+]

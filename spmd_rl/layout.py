@@ -1,0 +1,145 @@
+"""Print every rank's pools, mesh coordinates and groups for a config, with no processes started.
+
+    python -m spmd_rl.layout --config configs/X.yaml --world-size 16 --nproc-per-node 8
+    python -m spmd_rl.layout --actor.engine megatron --actor.megatron.tp 2 --world-size 8 --json
+
+Takes every flag of ``spmd_rl.train`` (same config loading) plus its own. It runs the same
+validation as the trainer (:func:`spmd_rl.dist.dims.plan`), so an invalid layout exits non-zero
+with the trainer's message. The text output is tables (ranks, then groups); ``--json`` prints one
+object ``{"world_size", "ranks": [...], "groups": {"<mesh>.<axis>": [[global ranks], ...]}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import tyro
+
+from spmd_rl.config import load_config
+from spmd_rl.dist.dims import Plan, plan
+
+
+@dataclass(kw_only=True)
+class LayoutFlags:
+    """Flags of the layout printer (besides all training flags)."""
+
+    world_size: Annotated[int | None, tyro.conf.arg(help="Number of processes of the run (required).")] = None
+    nproc_per_node: Annotated[
+        int | None, tyro.conf.arg(help="Processes (GPUs) per node, to show node and local rank of each rank.")
+    ] = None
+    json: Annotated[bool, tyro.conf.arg(help="Print one JSON object instead of tables.")] = False
+
+
+def describe(p: Plan) -> dict[str, Any]:
+    """The JSON-able description of a plan: per-rank coordinates and every group, in global ranks."""
+    layouts = p.layouts()
+    ranks = []
+    for r in range(p.world_size):
+        entry: dict[str, Any] = {
+            "rank": r, "node": p.node(r), "local_rank": p.local_rank(r),
+            "pools": {s.name: s.local_rank(r) for s in p.pools if s.contains(r)},
+        }
+        for name in ("fsdp", "ulysses", "megatron", "rollout"):
+            entry[name] = None
+        for name, (pool, lay) in layouts.items():
+            coords = lay.coords(pool.local_rank(r)) if pool.contains(r) else None
+            if "." in name:  # reward.fsdp -> entry["reward"]["fsdp"]
+                head, tail = name.split(".", 1)
+                if coords is not None:
+                    entry.setdefault(head, {})[tail] = coords
+                else:
+                    entry.setdefault(head, None)
+            else:
+                entry[name] = coords
+        ranks.append(entry)
+    groups: dict[str, list[list[int]]] = {}
+    for name, (pool, lay) in layouts.items():
+        for axis, axis_groups in lay.groups().items():
+            groups[f"{name}.{axis}"] = [[pool.start + x for x in g] for g in axis_groups]
+    return {
+        "world_size": p.world_size,
+        "nproc_per_node": p.nproc_per_node,
+        "engine": p.engine,
+        "pools": [{"name": s.name, "start": s.start, "size": s.size} for s in p.pools],
+        "actor_dp_size": p.actor_dp_size,
+        "rollout_dp_size": p.rollout_dp_size,
+        "unavailable": dict(p.unavailable),
+        "ranks": ranks,
+        "groups": groups,
+    }
+
+
+def _table(spans: list[tuple[str, list[str]]], rows: list[list[str]]) -> list[str]:
+    """Right-aligned columns under a two-level header: (group title, column names) spans."""
+    names = [c for _, cols in spans for c in cols]
+    widths = [max(len(n), *(len(row[i]) for row in rows)) for i, n in enumerate(names)]
+    top, i = [], 0
+    for title, cols in spans:
+        w = sum(widths[i:i + len(cols)]) + 2 * (len(cols) - 1)
+        if len(title) > w:  # widen the span's last column so its title fits
+            widths[i + len(cols) - 1] += len(title) - w
+            w = len(title)
+        top.append(title.ljust(w))
+        i += len(cols)
+    lines = ["  ".join(top).rstrip(), "  ".join(n.rjust(w) for n, w in zip(names, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
+    return lines
+
+
+def render(p: Plan) -> str:
+    """Human-readable tables of a plan."""
+    d = describe(p)
+    out = []
+    nodes = f" = {p.num_nodes} nodes x {p.nproc_per_node} processes" if p.nproc_per_node else ""
+    out.append(f"world size {p.world_size}{nodes}; actor engine {p.engine}; "
+               f"actor data-parallel size {p.actor_dp_size}; rollout data-parallel size {p.rollout_dp_size}")
+    out.append("pools: " + "; ".join(f"{s.name} = global ranks {s.start}..{s.end - 1} ({s.size})" for s in p.pools))
+    for name, why in p.unavailable.items():
+        out.append(f"{name}: n/a ({why})")
+    out.append("")
+    # the tables show the engine in use; --json has every valid layout
+    other = ("megatron",) if p.engine == "fsdp" else ("fsdp", "ulysses")
+    layouts = {k: v for k, v in p.layouts().items() if k not in other}
+    if len(layouts) < len(p.layouts()):
+        out.append(f"({'/'.join(other)} left out: the actor engine is {p.engine}; --json lists every layout)")
+    spans: list[tuple[str, list[str]]] = [("", ["rank", "node", "local"]), ("pools", [s.name for s in p.pools])]
+    for name, (_, lay) in layouts.items():
+        spans.append((name, list(lay.coords(0))))
+    rows = []
+    for e in d["ranks"]:
+        row = [str(e["rank"]), "-" if e["node"] is None else str(e["node"]),
+               "-" if e["local_rank"] is None else str(e["local_rank"])]
+        row += [str(e["pools"].get(s.name, "-")) for s in p.pools]
+        for name, (pool, lay) in layouts.items():
+            axes = list(lay.coords(0))
+            coords = lay.coords(pool.local_rank(e["rank"])) if pool.contains(e["rank"]) else None
+            row += ["-" if coords is None else str(coords[a]) for a in axes]
+        rows.append(row)
+    out += _table(spans, rows)
+    out.append("")
+    out.append("groups (global ranks):")
+    shown = {key: g for key, g in d["groups"].items() if key.rsplit(".", 1)[0] in layouts}
+    width = max(len(k) for k in shown)
+    for key, groups in shown.items():
+        out.append(f"  {key.ljust(width)}  " + " ".join("[" + " ".join(map(str, g)) + "]" for g in groups))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, flags = load_config(argv, prog="spmd_rl.layout", extra=LayoutFlags, description=__doc__)
+        if flags.world_size is None:
+            raise ValueError("--world-size is required (the number of processes of the run)")
+        p = plan(cfg, flags.world_size, flags.nproc_per_node)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"spmd_rl.layout: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(describe(p)) if flags.json else render(p))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

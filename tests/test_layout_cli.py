@@ -1,0 +1,86 @@
+"""``python -m spmd_rl.layout`` as a user runs it: JSON output, tables, errors and ``--help``.
+
+Run: ``python -m pytest tests/test_layout_cli.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_layout(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "spmd_rl.layout", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_json_hsdp_8_ranks() -> None:
+    out = run_layout("--world-size", "8", "--actor.fsdp.fsdp-size", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["world_size"] == 8 and len(d["ranks"]) == 8
+    g = d["groups"]
+    assert g["fsdp.fsdp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g["fsdp.ddp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["ulysses.sp"] == [[r] for r in range(8)] and g["ulysses.dp"] == [list(range(8))]
+    assert g["rollout.tp"] == [[r] for r in range(8)] and g["rollout.dp"] == [list(range(8))]
+    for key in ("rollout.pp", "megatron.tp", "megatron.cp", "megatron.pp", "megatron.dp", "megatron.ep",
+                "megatron.expert_tp", "megatron.expert_dp"):
+        assert key in g
+    r6 = d["ranks"][6]
+    assert r6["rank"] == 6 and r6["pools"] == {"global": 6} and r6["node"] is None
+    assert r6["fsdp"] == {"ddp": 1, "fsdp": 2} and r6["rollout"] == {"dp": 6, "pp": 0, "tp": 0}
+
+
+def test_json_megatron_tp2_pp2_16_ranks() -> None:
+    out = run_layout("--world-size", "16", "--nproc-per-node", "8", "--actor.engine", "megatron",
+                     "--actor.megatron.tp", "2", "--actor.megatron.pp", "2", "--rollout.tp", "2",
+                     "--data.train-batch-size", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    g = d["groups"]
+    assert g["megatron.tp"] == [[2 * i, 2 * i + 1] for i in range(8)]
+    assert g["megatron.pp"] == [[r, r + 8] for r in range(8)]
+    assert g["megatron.dp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert g["rollout.tp"] == [[2 * i, 2 * i + 1] for i in range(8)]
+    r5 = d["ranks"][5]
+    assert (r5["megatron"]["tp"], r5["megatron"]["dp"], r5["megatron"]["pp"]) == (1, 2, 0)
+    assert (r5["node"], r5["local_rank"]) == (0, 5) and (d["ranks"][13]["node"], d["ranks"][13]["local_rank"]) == (1, 5)
+    assert d["actor_dp_size"] == 4 and d["rollout_dp_size"] == 8
+
+
+def test_reward_pool_tables_and_json() -> None:
+    args = ["--world-size", "4", "--pools.reward-ranks", "1", "--data.train-batch-size", "3",
+            "--actor.ppo-mini-batch-size", "3"]
+    out = run_layout(*args)
+    assert out.returncode == 0, out.stderr
+    assert "reward = global ranks 3..3 (1)" in out.stdout and "reward.fsdp.fsdp" in out.stdout
+    assert "fsdp.ddp" in out.stdout and "rollout.tp" in out.stdout
+    d = json.loads(run_layout(*args, "--json").stdout)
+    assert d["groups"]["reward.fsdp.fsdp"] == [[3]] and d["groups"]["fsdp.fsdp"] == [[0, 1, 2]]
+    assert d["ranks"][3]["pools"] == {"reward": 0} and d["ranks"][3]["fsdp"] is None
+    assert d["ranks"][3]["reward"] == {"fsdp": {"ddp": 0, "fsdp": 0}}
+
+
+def test_bad_layout_exits_with_the_plan_message() -> None:
+    out = run_layout("--world-size", "6", "--rollout.tp", "4")
+    assert out.returncode != 0
+    assert "rollout.tp (4) * rollout.pp (1) does not divide the global pool size (6)" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = run_layout("--world-size", "8", "--data.train-batch-size", "4", "--actor.ppo-mini-batch-size", "4")
+    assert out.returncode != 0 and "data.train_batch_size (4) must be divisible by the rollout data-parallel size (8)" in out.stderr
+    out = run_layout("--rollout.tp", "2")
+    assert out.returncode != 0 and "--world-size is required" in out.stderr
+
+
+def test_help() -> None:
+    out = run_layout("--help")
+    assert out.returncode == 0
+    for flag in ("--world-size", "--nproc-per-node", "--json", "--actor.fsdp.fsdp-size", "--rollout.tp"):
+        assert flag in out.stdout
