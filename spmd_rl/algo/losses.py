@@ -1,0 +1,294 @@
+"""Policy-gradient losses, KL penalties, loss aggregation and logit helpers.
+
+Shapes: ``B`` responses, ``T`` response tokens, ``V`` vocabulary. Masks are
+0/1 float or bool ``[B, T]``. Typical use inside a training micro-step::
+
+    from spmd_rl.algo import losses
+    logp = losses.logprobs_from_logits(logits, response_ids)
+    pg_loss, metrics = losses.ppo_clip(
+        logp, old_logp, adv, mask, global_tokens=n_tokens_in_dp_minibatch)
+    kl = losses.aggregate(losses.kl_penalty(logp, ref_logp, "k3"), mask,
+                          "token-mean", global_tokens=n_tokens_in_dp_minibatch)
+
+Global normalisation: when ``global_tokens`` / ``global_seqs`` are the counts
+over the whole data-parallel mini-batch (all micro-batches on all ranks), each
+micro-batch loss is that micro-batch's share of the mini-batch loss, so
+summing (i.e. accumulating gradients of) the micro-batch results over all
+micro-batches and DP ranks gives exactly the full-batch value, regardless of
+how tokens are distributed. Without them every call normalises locally.
+
+Everything is pure tensor code; no process groups or engines.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+__all__ = [
+    "KL_KINDS",
+    "AGG_MODES",
+    "kl_penalty",
+    "aggregate",
+    "ppo_clip",
+    "gspo",
+    "entropy_from_logits",
+    "logprobs_from_logits",
+]
+
+KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
+_KL_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+Count = Union[int, float, torch.Tensor]
+
+
+def _check_same_shape(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{name_a} shape {tuple(a.shape)} != {name_b} shape {tuple(b.shape)}")
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Local token mean for metrics (never the training loss)."""
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference, ``[B, T]``.
+
+    kinds: ``k1`` = logp - ref; ``k2`` = 0.5 (logp - ref)^2; ``k3`` (low-var
+    KL, Schulman's estimator, clamped for stability); ``abs`` = |logp - ref|.
+    Aliases: ``kl`` -> k1, ``mse`` -> k2, ``low_var_kl`` -> k3.
+    Not masked: pass the result through :func:`aggregate`.
+    """
+    _check_same_shape("logprobs", logprobs, "ref_logprobs", ref_logprobs)
+    k = _KL_ALIASES.get(kind, kind)
+    if k == "k1":
+        return logprobs - ref_logprobs
+    if k == "k2":
+        return 0.5 * (logprobs - ref_logprobs).square()
+    if k == "k3":
+        # The clamps keep exp() finite for tokens the reference finds near impossible.
+        kl = (ref_logprobs - logprobs).clamp(min=-20.0, max=20.0)
+        return (torch.exp(kl) - kl - 1.0).clamp(min=-10.0, max=10.0)
+    if k == "abs":
+        return (logprobs - ref_logprobs).abs()
+    valid = list(KL_KINDS) + sorted(_KL_ALIASES)
+    raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {valid}")
+
+
+def _denominator(given: Optional[Count], local: torch.Tensor) -> torch.Tensor:
+    if given is None:
+        return local.clamp(min=1)
+    if isinstance(given, torch.Tensor):
+        return given.to(device=local.device, dtype=local.dtype).clamp(min=1)
+    if given <= 0:
+        raise ValueError(f"global count must be > 0, got {given}")
+    return torch.tensor(float(given), device=local.device, dtype=local.dtype)
+
+
+def aggregate(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    global_tokens: Optional[Count] = None,
+    global_seqs: Optional[Count] = None,
+    norm_length: Optional[Union[int, float]] = None,
+) -> torch.Tensor:
+    """Reduce a token loss ``[B, T]`` to a scalar.
+
+    modes:
+      * ``token-mean``: sum(loss * mask) / (global_tokens or mask.sum()).
+      * ``seq-mean-token-sum``: sum over seqs of per-seq token sums,
+        / (global_seqs or B).
+      * ``seq-mean-token-mean``: sum over seqs of per-seq token means
+        (0 for a row with no valid token), / (global_seqs or B).
+      * ``seq-mean-token-sum-norm``: sum over seqs of per-seq token sums
+        / norm_length (default T), / (global_seqs or B).
+
+    The seq modes count every row, including fully masked ones (which add 0
+    to the numerator), so ``global_seqs`` should be the number of rows in the
+    DP mini-batch. For ``seq-mean-token-sum-norm`` across micro-batches padded
+    to different T, pass a fixed ``norm_length`` (e.g. the max response
+    length) or the micro-batch sums won't add up to the full-batch value.
+    See the module docstring for how global counts make micro-batch sums exact.
+    """
+    _check_same_shape("loss_mat", loss_mat, "mask", mask)
+    if loss_mat.dim() != 2:
+        raise ValueError(f"loss_mat must be [B, T], got shape {tuple(loss_mat.shape)}")
+    m = mask.to(loss_mat.dtype)
+    masked = loss_mat * m
+    if mode == "token-mean":
+        return masked.sum() / _denominator(global_tokens, m.sum())
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {list(AGG_MODES)}")
+    n_rows = torch.tensor(float(loss_mat.shape[0]), device=loss_mat.device, dtype=loss_mat.dtype)
+    seq_den = _denominator(global_seqs, n_rows)
+    row_sum = masked.sum(dim=-1)
+    if mode == "seq-mean-token-sum":
+        per_seq = row_sum
+    elif mode == "seq-mean-token-mean":
+        per_seq = row_sum / m.sum(dim=-1).clamp(min=1)
+    else:
+        length = float(loss_mat.shape[-1]) if norm_length is None else float(norm_length)
+        if length <= 0:
+            raise ValueError(f"norm_length must be > 0, got {norm_length}")
+        per_seq = row_sum / length
+    return per_seq.sum() / seq_den
+
+
+def _check_pg_inputs(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> None:
+    _check_same_shape("logprobs", logprobs, "old_logprobs", old_logprobs)
+    _check_same_shape("logprobs", logprobs, "advantages", advantages)
+    _check_same_shape("logprobs", logprobs, "response_mask", response_mask)
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
+    if clip_high < 0.0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+
+
+def ppo_clip(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+    agg_mode: str = "token-mean",
+    global_tokens: Optional[Count] = None,
+    global_seqs: Optional[Count] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level PPO clipped surrogate with dual clip (Ye et al. 2020).
+
+    ratio = exp(clamp(logp - old_logp, -20, 20)); per token
+    ``max(-A r, -A clip(r, 1-clip_low, 1+clip_high))``, and for A < 0 further
+    capped at ``-A clip_c`` so a huge ratio on a bad token can't blow up the
+    loss. Asymmetric ``clip_low``/``clip_high`` gives DAPO's clip-higher.
+
+    Returns ``(loss, metrics)``; metrics are detached local token means:
+    ``pg_clipfrac`` (clip active), ``ppo_kl`` (mean old_logp - logp) and
+    ``pg_clipfrac_lower`` (dual clip active).
+    """
+    _check_pg_inputs(logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high)
+    if not clip_c > 1.0:
+        raise ValueError(f"clip_c must be > 1.0 for dual-clip PPO, got {clip_c}")
+
+    neg_approx_kl = (logprobs - old_logprobs).clamp(min=-20.0, max=20.0)
+    ratio = torch.exp(neg_approx_kl)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = torch.maximum(pg1, pg2)
+    pg3 = -advantages * clip_c
+    final = torch.where(advantages < 0, torch.minimum(clipped, pg3), clipped)
+
+    loss = aggregate(
+        final, response_mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs
+    )
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _masked_mean((pg2 > pg1).to(final.dtype), response_mask),
+            "ppo_kl": _masked_mean(-neg_approx_kl, response_mask),
+            "pg_clipfrac_lower": _masked_mean(
+                ((clipped > pg3) & (advantages < 0)).to(final.dtype), response_mask
+            ),
+        }
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def gspo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    agg_mode: str = "seq-mean-token-mean",
+    global_tokens: Optional[Count] = None,
+    global_seqs: Optional[Count] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: PPO clipping on the sequence-level, length-normalised ratio
+    ``s_i = exp(mean_t (logp - old_logp))`` (Zheng et al. 2025).
+
+    Token form: ``log r_t = sg(log s_i) + logp_t - sg(logp_t)`` (clamped at
+    10), so every token of a sequence shares the value s_i while the gradient
+    flows through each token's own logp. No dual clip; ``pg_clipfrac_lower``
+    is reported as 0 to keep the same metric keys as :func:`ppo_clip`.
+    """
+    _check_pg_inputs(logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high)
+    m = response_mask.to(logprobs.dtype)
+    neg_approx_kl = logprobs - old_logprobs
+    # Rows without valid tokens get log s_i = 0 (ratio 1); they are masked out anyway.
+    seq_log_ratio = (neg_approx_kl * m).sum(-1) / m.sum(-1).clamp(min=1)
+    log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
+    ratio = torch.exp(log_ratio.clamp(max=10.0))
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    final = torch.maximum(pg1, pg2)
+
+    loss = aggregate(
+        final, response_mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs
+    )
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _masked_mean((pg2 > pg1).to(final.dtype), response_mask),
+            "ppo_kl": _masked_mean(-neg_approx_kl, response_mask),
+            "pg_clipfrac_lower": torch.zeros((), dtype=final.dtype, device=final.device),
+        }
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim, ``[...]``.
+
+    Uses ``logsumexp(z) - sum(softmax(z) z)``, which never takes log of a
+    probability, so it is stable for large-magnitude logits. Computed in at
+    least float32. Logits must be finite (mask vocab entries with a large
+    negative number, not -inf: 0 * -inf is NaN).
+    """
+    z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    p = torch.softmax(z, dim=-1)
+    return torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[labels] over the last dim: ``[B, T, V], [B, T] -> [B, T]``.
+
+    For float32/64 logits this is ``gather - logsumexp`` with no full
+    log-softmax tensor. For half/bf16 logits the log-softmax runs in float32
+    one row at a time, so at most one ``[T, V]`` float32 copy exists at once.
+    Returns float32 (float64 for float64 logits). Differentiable.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} != logits shape without vocab dim "
+            f"{tuple(logits.shape[:-1])}"
+        )
+    idx = labels.long().unsqueeze(-1)
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, idx).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+    if logits.dim() < 2:
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, idx).squeeze(-1)
+    rows = [
+        torch.log_softmax(row.float(), dim=-1).gather(-1, row_idx).squeeze(-1)
+        for row, row_idx in zip(logits, idx)
+    ]
+    return torch.stack(rows)

@@ -1,0 +1,70 @@
+"""The actor's training objective for one micro-batch: policy loss + KL loss - entropy bonus.
+
+    loss, metrics = actor_objective(logprobs, entropy, old_logprobs=..., advantages=...,
+                                    response_mask=..., ref_logprobs=..., algo=cfg.algo,
+                                    global_tokens=G, global_seqs=S)
+
+Every term is aggregated with the GLOBAL token / sequence counts of the data-parallel mini-batch,
+so summing the returned losses over all micro-batches on all ranks gives the mini-batch objective
+exactly; engines must therefore sum (not average) gradients across ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd_rl.algo import advantages as adv_lib
+from spmd_rl.algo import losses
+from spmd_rl.config import AlgoConfig
+
+ADVANTAGE_ESTIMATORS = {
+    "grpo": adv_lib.grpo,
+    "rloo": adv_lib.rloo,
+    "reinforce_pp_baseline": adv_lib.reinforce_pp_baseline,
+}
+
+
+def compute_advantages(scores: torch.Tensor, group_index: torch.Tensor, response_mask: torch.Tensor, *,
+                       algo: AlgoConfig) -> torch.Tensor:
+    """Per-token advantages ``[B, T]`` from per-response scores with the configured estimator."""
+    fn = ADVANTAGE_ESTIMATORS[algo.adv_estimator]
+    if algo.adv_estimator == "grpo":
+        return fn(scores, group_index, response_mask, norm_by_std=algo.norm_adv_by_std)
+    return fn(scores, group_index, response_mask)
+
+
+def actor_objective(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    *,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    algo: AlgoConfig,
+    global_tokens: float,
+    global_seqs: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
+    policy = losses.gspo if algo.policy_loss == "gspo" else losses.ppo_clip
+    extra = {} if algo.policy_loss == "gspo" else {"clip_c": algo.clip_c}
+    pg_loss, metrics = policy(
+        logprobs, old_logprobs, advantages, response_mask,
+        clip_low=algo.clip_low, clip_high=algo.clip_high, agg_mode=algo.loss_agg_mode, **extra, **counts,
+    )
+    loss = pg_loss
+    metrics = {f"actor/{k}": v for k, v in metrics.items()}
+    metrics["actor/pg_loss"] = pg_loss.detach()
+    if algo.use_kl_loss:
+        if ref_logprobs is None:
+            raise ValueError("algo.use_kl_loss is on but no reference log-probs were computed")
+        kl = losses.kl_penalty(logprobs, ref_logprobs, algo.kl_kind)
+        kl_loss = losses.aggregate(kl, response_mask, algo.loss_agg_mode, **counts)
+        loss = loss + algo.kl_coef * kl_loss
+        metrics["actor/kl_loss"] = kl_loss.detach()
+    if entropy is not None:
+        ent = losses.aggregate(entropy, response_mask, algo.loss_agg_mode, **counts)
+        if algo.entropy_coef > 0:
+            loss = loss - algo.entropy_coef * ent
+        metrics["actor/entropy"] = ent.detach()
+    return loss, metrics
