@@ -1,0 +1,210 @@
+"""Step metrics: accumulate locally, reduce over a group in one collective, log from rank 0.
+
+    acc = MetricAccumulator()
+    acc.add("actor/pg_clipfrac", value, weight=num_tokens)   # weighted mean over ranks
+    acc.add_max("critic/score/max", score_max)
+    metrics = acc.reduce(group)              # every rank of the group calls this
+    sink.log(metrics, step)                  # a no-op on ranks other than 0
+
+Sinks: console (a tqdm bar with step, reward, tokens/s and ETA, plus one summary line per step),
+JSONL (``<output_dir>/metrics.jsonl``) and wandb (offline unless WANDB_API_KEY is set). Only rank 0
+builds real sinks; the others get :class:`NullSink`, so the training loop has no rank checks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.config import LoggingConfig
+
+log = logging.getLogger("spmd_rl")
+
+
+class MetricAccumulator:
+    """Weighted means, maxima and minima that reduce over ranks with three all-reduces."""
+
+    def __init__(self) -> None:
+        self._mean: dict[str, list[float]] = {}
+        self._max: dict[str, float] = {}
+        self._min: dict[str, float] = {}
+        self._sum: dict[str, float] = {}
+
+    def add(self, key: str, value: float | torch.Tensor, weight: float = 1.0) -> None:
+        v = float(value)
+        acc = self._mean.setdefault(key, [0.0, 0.0])
+        acc[0] += v * weight
+        acc[1] += weight
+
+    def add_sum(self, key: str, value: float) -> None:
+        self._sum[key] = self._sum.get(key, 0.0) + float(value)
+
+    def add_max(self, key: str, value: float) -> None:
+        self._max[key] = max(self._max.get(key, -math.inf), float(value))
+
+    def add_min(self, key: str, value: float) -> None:
+        self._min[key] = min(self._min.get(key, math.inf), float(value))
+
+    def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """All ranks of ``group`` must call this with the same keys (the loop guarantees it)."""
+        out: dict[str, float] = {}
+        distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+        mean_keys = sorted(self._mean)
+        sum_keys = sorted(self._sum)
+        packed = torch.tensor(
+            [x for k in mean_keys for x in self._mean[k]] + [self._sum[k] for k in sum_keys], dtype=torch.float64
+        )
+        maxes = torch.tensor([self._max[k] for k in sorted(self._max)], dtype=torch.float64)
+        mins = torch.tensor([self._min[k] for k in sorted(self._min)], dtype=torch.float64)
+        if distributed:
+            dist.all_reduce(packed, group=group)
+            if len(maxes):
+                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+            if len(mins):
+                dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
+        for i, k in enumerate(mean_keys):
+            total, weight = packed[2 * i].item(), packed[2 * i + 1].item()
+            out[k] = total / weight if weight > 0 else 0.0
+        for i, k in enumerate(sum_keys):
+            out[k] = packed[2 * len(mean_keys) + i].item()
+        out.update({k: maxes[i].item() for i, k in enumerate(sorted(self._max))})
+        out.update({k: mins[i].item() for i, k in enumerate(sorted(self._min))})
+        return out
+
+
+class NullSink:
+    """What ranks other than 0 log to."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def info(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RunSink:
+    """Console + JSONL + wandb on rank 0."""
+
+    def __init__(self, *, logging_cfg: LoggingConfig, output_dir: str, total_steps: int, start_step: int,
+                 config_dict: dict[str, Any]) -> None:
+        self.cfg = logging_cfg
+        self.total_steps = total_steps
+        self.start_time = time.time()
+        self.start_step = start_step
+        os.makedirs(output_dir, exist_ok=True)
+        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a") if logging_cfg.jsonl else None
+        self.bar = None
+        if logging_cfg.console:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="grpo", dynamic_ncols=True,
+                            file=sys.stderr, mininterval=0)
+        self.wandb = None
+        if logging_cfg.wandb != "off":
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                if logging_cfg.wandb == "on":
+                    raise ValueError("logging.wandb=on but wandb is not installed: pip install 'spmd_rl[wandb]'")
+            else:
+                import wandb
+
+                mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+                self.wandb = wandb.init(
+                    project=logging_cfg.wandb_project,
+                    name=logging_cfg.run_name or os.path.basename(os.path.abspath(output_dir)),
+                    dir=output_dir, config=config_dict, mode=mode, resume="allow",
+                )
+
+    def info(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            log.info(text)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        record = {"step": step, **{k: _round(v) for k, v in sorted(metrics.items())}}
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.bar is not None and "timing_s/step" in metrics:
+            done = step - self.start_step
+            elapsed = time.time() - self.start_time
+            eta = elapsed / max(done, 1) * (self.total_steps - step)
+            self.bar.set_postfix_str(
+                f"reward={metrics.get('critic/score/mean', float('nan')):.3f} "
+                f"tok/s={metrics.get('perf/tokens_per_s', 0):.0f} eta={_fmt_time(eta)}", refresh=False)
+            self.bar.update(1)
+            self.bar.write(_summary(step, metrics), file=sys.stderr)
+        elif self.bar is not None:
+            self.bar.write(_summary(step, metrics), file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _round(v: float) -> float:
+    return float(f"{v:.6g}") if isinstance(v, float) and math.isfinite(v) else v
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+_SUMMARY_KEYS = [
+    ("critic/score/mean", "reward"), ("val/accuracy", "val_acc"), ("response_length/mean", "len"),
+    ("actor/pg_loss", "pg_loss"), ("actor/kl_loss", "kl"), ("actor/entropy", "ent"),
+    ("actor/grad_norm", "gnorm"), ("perf/tokens_per_s", "tok/s"), ("timing_s/step", "step_s"),
+]
+
+
+def _summary(step: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step}"]
+    for key, short in _SUMMARY_KEYS:
+        if key in metrics:
+            parts.append(f"{short}={metrics[key]:.4g}")
+    return " | ".join(parts)
+
+
+def setup_logging(rank: int, hostname: str) -> None:
+    """INFO from rank 0, WARNING and above from every rank, each line tagged host:rank."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {hostname}:{rank} %(levelname)s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("spmd_rl")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root.propagate = False
+
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for perf/mfu.
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of a known GPU, else None (no MFU is reported on CPU or unknown GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in _PEAK_BF16.items():
+        if key in name:
+            return value
+    return None

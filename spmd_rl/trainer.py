@@ -1,0 +1,385 @@
+"""The GRPO trainer: the seven stages of one step, in lockstep on every rank.
+
+    trainer = Trainer(cfg, env)      # builds pools, meshes, engines, data, reward
+    trainer.fit()
+
+Rank 0 is the controller inside the same loop: it draws the step's prompts and logs. Everything
+else is symmetric. Per step:
+
+1. prompts   rank 0 draws ``data.train_batch_size`` prompt indices and broadcasts them; each
+             rollout data-parallel rank takes a contiguous slice (tp ranks of a group share one);
+2. rollout   the rollout engine receives the actor's weights if they changed (hot-swap), generates
+             ``rollout.n`` responses per prompt, sleeps;
+3. reward    each rank scores the responses it holds;
+4. old       actor log-probs before the update (only when a step makes several optimizer steps);
+5. ref       frozen reference log-probs (when the KL loss is on);
+6. adv       group advantages, local since all n responses of a prompt are on one rank;
+7. update    mini-batches x micro-batches with global token normalisation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.algo.objective import actor_objective, compute_advantages
+from spmd_rl.config import Config, to_dict, to_yaml
+from spmd_rl.data import build_prompts
+from spmd_rl.data.batch import RolloutBatch
+from spmd_rl.data.prompts import render_prompts
+from spmd_rl.data.sampler import PromptSampler
+from spmd_rl.dist import dims
+from spmd_rl.dist.comm import all_gather_objects, broadcast_object, fail_together, relayout
+from spmd_rl.dist.env import DistEnv, format_rank_table, gather_rank_table
+from spmd_rl.dist.pools import Pools
+from spmd_rl.engine.fsdp import FSDPEngine
+from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, peak_flops
+from spmd_rl.models import load_tokenizer, model_flops_per_token, resolve_model_path
+from spmd_rl.reward import build_scorer
+from spmd_rl.rollout import build_rollout
+
+log = logging.getLogger("spmd_rl")
+
+
+class StageTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: DistEnv) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.plan = dims.plan(cfg, env.world_size, env.local_world_size)
+        if cfg.pools.reward_ranks:
+            raise ValueError(
+                f"pools.reward_ranks={cfg.pools.reward_ranks}: a separate reward pool serves a reward "
+                "model, and model-based rewards are not supported yet; use --pools.reward_ranks 0"
+            )
+        if cfg.actor.engine != "fsdp":
+            raise ValueError("actor.engine=megatron is not supported yet; use --actor.engine fsdp")
+        if cfg.actor.fsdp.ulysses_size > 1:
+            raise ValueError("actor.fsdp.ulysses_size > 1 is not supported yet; use --actor.fsdp.ulysses_size 1")
+        if cfg.rollout.backend != "native":
+            raise ValueError("rollout.backend=vllm is not supported yet; use --rollout.backend native")
+        if cfg.rollout.tp * cfg.rollout.pp > 1:
+            raise ValueError(
+                f"rollout.tp ({cfg.rollout.tp}) * rollout.pp ({cfg.rollout.pp}) > 1 needs a sharded rollout "
+                "engine; the native engine holds a whole model per rank: use --rollout.tp 1 --rollout.pp 1"
+            )
+        self.pools = Pools.build(self.plan.pools)
+        self.pool = self.pools.get("global")
+        self.group = self.pool.group
+        pool_ranks = {r: {spec.name: spec.local_rank(r) for spec in self.plan.pools if spec.contains(r)}
+                      for r in range(env.world_size)}
+        rows = gather_rank_table(env, pool_ranks)
+        self.sink = RunSink(logging_cfg=cfg.logging, output_dir=cfg.trainer.output_dir,
+                            total_steps=cfg.trainer.total_steps, start_step=0,
+                            config_dict=to_dict(cfg)) if env.is_main else NullSink()
+        self.sink.info("rank table\n" + format_rank_table(rows))
+        if env.is_main:
+            os.makedirs(cfg.trainer.output_dir, exist_ok=True)
+            with open(os.path.join(cfg.trainer.output_dir, "config.yaml"), "w") as f:
+                f.write(to_yaml(cfg))
+            self.sink.info("resolved config\n" + to_yaml(cfg))
+
+        with fail_together(group=self.group, what="model and data setup"):
+            tiny = dict(layers=cfg.model.tiny_layers, hidden=cfg.model.tiny_hidden, heads=cfg.model.tiny_heads,
+                        kv_heads=cfg.model.tiny_kv_heads, seed=cfg.model.tiny_seed)
+            self.model_folder = resolve_model_path(cfg.model.path, cache_dir=cfg.model.cache_dir, tiny=tiny)
+            self.tokenizer = load_tokenizer(self.model_folder, trust_remote_code=cfg.model.trust_remote_code)
+            train, val = build_prompts(cfg.data)
+            self.train_samples, self.train_ids, dropped = render_prompts(
+                train, self.tokenizer, system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
+            self.val_samples, self.val_ids, val_dropped = render_prompts(
+                val, self.tokenizer, system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
+            self.scorer = build_scorer(fn=cfg.reward.fn, task=cfg.data.task, format_weight=cfg.reward.format_weight,
+                                       on_error=cfg.reward.on_error)
+        if dropped or val_dropped:
+            self.sink.info(f"dropped {dropped} training and {val_dropped} validation prompts longer than "
+                           f"data.max_prompt_length={cfg.data.max_prompt_length} tokens")
+        if len(self.train_samples) < cfg.data.train_batch_size:
+            raise ValueError(f"only {len(self.train_samples)} training prompts for data.train_batch_size="
+                             f"{cfg.data.train_batch_size}")
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.eos_ids = _eos_ids(self.tokenizer)
+        self.sampler = PromptSampler(len(self.train_samples), cfg.data.train_batch_size, cfg.data.seed)
+
+        # Engines. Rollout is (dp, tp=1, pp=1) over the pool, and the FSDP actor's data-parallel
+        # ranks are the pool ranks in the same order, so the batch needs no re-layout today; the
+        # relayout call below is where a differing actor layout gets its rows.
+        torch.manual_seed(cfg.trainer.seed)
+        dev = env.device
+        self.mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+        self.updates_per_step = self.mini_batches * cfg.actor.ppo_epochs
+        mesh = self.plan.fsdp.build(dev.type, start=self.pool.spec.start)
+        self.actor = FSDPEngine(
+            model_folder=self.model_folder, mesh=mesh, device=dev, fsdp=cfg.actor.fsdp, actor=cfg.actor,
+            total_updates=cfg.trainer.total_steps * self.updates_per_step, trainable=True,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+            trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id,
+        )
+        self.ref = None
+        if cfg.algo.use_kl_loss:
+            self.ref = FSDPEngine(
+                model_folder=self.model_folder, mesh=mesh, device=dev, fsdp=cfg.actor.fsdp, trainable=False,
+                trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id,
+            )
+            if cfg.ref.param_offload:
+                self.ref.param_offload = True
+                self.ref.offload()
+        self.rollout = build_rollout(
+            cfg.rollout.backend, model_folder=self.model_folder, device=dev,
+            dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+            batch_size=cfg.rollout.batch_size, pad_token_id=self.pad_id, eos_token_ids=self.eos_ids,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        self.weights_stale = False
+        self.rollout_dp = self.plan.rollout_dp_rank(self.pool.rank)
+        self.rollout_dp_size = self.plan.rollout_dp_size
+        self.actor_dp = self.plan.actor_dp_rank(self.pool.rank)
+        self.actor_dp_size = self.plan.actor_dp_size
+        self.flops_per_token = model_flops_per_token(
+            self.actor.config, seq_len=cfg.data.max_prompt_length // 2 + cfg.rollout.max_new_tokens)
+        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.step = 0
+
+    # ================================================================== the loop
+    def fit(self) -> dict[str, float]:
+        cfg = self.cfg.trainer
+        last: dict[str, float] = {}
+        if cfg.val_every:
+            self.sink.log(self.validate(), self.step)
+        while self.step < cfg.total_steps:
+            self.step += 1
+            timer = StageTimer()
+            acc = MetricAccumulator()
+            with timer("step"):
+                with timer("gen"):
+                    batch = self.generate(acc, timer)
+                with timer("reward"):
+                    self.score(batch, acc)
+                batch = relayout(batch, src=(self.rollout_dp, self.rollout_dp_size),
+                                 dst=(self.actor_dp, self.actor_dp_size), group=self.group, pad_token_id=self.pad_id)
+                with timer("old_logprob"):
+                    self.old_logprobs(batch, acc)
+                with timer("ref"):
+                    self.ref_logprobs(batch)
+                with timer("adv"):
+                    self.advantages(batch, acc)
+                with timer("update"):
+                    self.update(batch, acc)
+            last = self.finish_step(batch, acc, timer)
+            if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.total_steps):
+                val = self.validate()
+                self.sink.log(val, self.step)
+                last.update(val)
+        return last
+
+    # ================================================================== stages
+    def generate(self, acc: MetricAccumulator, timer: StageTimer) -> RolloutBatch:
+        indices = broadcast_object(self.sampler.next_batch() if self.env.is_main else None,
+                                   src=self.pool.spec.start, group=self.group)
+        if not self.env.is_main:
+            self.sampler.next_batch()  # keep every rank's sampler in step, for checkpoints
+        per_rank = len(indices) // self.rollout_dp_size
+        mine = list(range(self.rollout_dp * per_rank, (self.rollout_dp + 1) * per_rank))
+        with timer("weight_sync"):
+            self.sync_weights()
+        self.rollout.wake_up()
+        out = self.rollout.generate(
+            [self.train_ids[indices[i]] for i in mine], n=self.cfg.rollout.n,
+            temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p, top_k=self.cfg.rollout.top_k,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            seed=self.cfg.trainer.seed * 1_000_003 + self.step * 7919 + self.rollout_dp,
+        )
+        self.rollout.sleep(self.cfg.rollout.sleep_level)
+        n = self.cfg.rollout.n
+        rows = [i for i in mine for _ in range(n)]
+        batch = RolloutBatch(
+            prompts=out.prompt_ids,
+            tensors={
+                "response_ids": out.response_ids.cpu(),
+                "response_mask": out.response_mask.float().cpu(),
+                "rollout_logprobs": out.logprobs.float().cpu(),
+                "group_index": torch.tensor(rows, dtype=torch.long),
+                "truncated": out.truncated.cpu(),
+            },
+            extras={"sample": [indices[i] for i in rows]},
+        )
+        lengths = batch["response_mask"].sum(1)
+        for length in lengths.tolist():
+            acc.add("response_length/mean", length)
+        acc.add_max("response_length/max", lengths.max().item())
+        acc.add_min("response_length/min", lengths.min().item())
+        for flag in batch["truncated"].tolist():
+            acc.add("response_length/clip_ratio", float(flag))
+        acc.add_sum("perf/gen_tokens", lengths.sum().item())
+        return batch
+
+    def sync_weights(self) -> None:
+        """Hot-swap: stream the actor's full tensors into the rollout engine (all ranks together)."""
+        if not self.weights_stale:
+            return
+        dtype = torch.bfloat16 if self.env.device.type == "cuda" else None
+        self.rollout.load_weights(self.actor.named_full_tensors(dtype=dtype))
+        self.weights_stale = False
+
+    def score(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
+        samples = [self.train_samples[i] for i in batch.extras["sample"]]
+        completions = self.tokenizer.batch_decode(
+            [ids[mask.bool()].tolist() for ids, mask in zip(batch["response_ids"], batch["response_mask"])],
+            skip_special_tokens=True,
+        )
+        with fail_together(group=self.group, what="reward scoring"):
+            result = self.scorer([s.prompt for s in samples], completions, _columns(samples))
+        scores = torch.tensor(result.scores, dtype=torch.float32)
+        batch["scores"] = scores
+        batch.extras["completion"] = completions
+        for s in scores.tolist():
+            acc.add("critic/score/mean", s)
+        acc.add_max("critic/score/max", scores.max().item())
+        acc.add_min("critic/score/min", scores.min().item())
+        acc.add_sum("reward/errors", result.num_errors)
+
+    def old_logprobs(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
+        # On-policy with a single optimizer step per batch, the update's own log-probs (detached)
+        # are the old ones: ratio == 1 exactly, and a whole forward pass is saved.
+        if self.updates_per_step == 1:
+            return
+        logprobs, _ = self.actor.compute_logprobs(batch, temperature=self.temperature,
+                                                  micro_batch_size=self.cfg.actor.micro_batch_size)
+        batch["old_logprobs"] = logprobs.cpu()
+        mask = batch["response_mask"]
+        diff = ((logprobs.cpu() - batch["rollout_logprobs"]).abs() * mask).sum()
+        acc.add("rollout/logprob_abs_diff", diff.item() / max(mask.sum().item(), 1), mask.sum().item())
+
+    def ref_logprobs(self, batch: RolloutBatch) -> None:
+        if self.ref is None:
+            return
+        logprobs, _ = self.ref.compute_logprobs(batch, temperature=self.temperature,
+                                                micro_batch_size=self.cfg.ref.micro_batch_size)
+        batch["ref_logprobs"] = logprobs.cpu()
+
+    def advantages(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
+        adv = compute_advantages(batch["scores"], batch["group_index"], batch["response_mask"], algo=self.cfg.algo)
+        batch["advantages"] = adv.float()
+        mask = batch["response_mask"]
+        acc.add("critic/advantages/mean", (adv * mask).sum().item() / max(mask.sum().item(), 1), mask.sum().item())
+
+    def update(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
+        cfg = self.cfg
+        device = self.env.device
+        for _epoch in range(cfg.actor.ppo_epochs):
+            for mini in batch.chunks(self.mini_batches):
+                counts = torch.tensor([mini["response_mask"].sum().item(), float(len(mini))], dtype=torch.float64)
+                if dist.get_world_size(self.group) > 1:
+                    dist.all_reduce(counts, group=self.group)
+                global_tokens, global_seqs = counts.tolist()
+
+                def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, micro: RolloutBatch):
+                    mask = micro["response_mask"].to(device)
+                    old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else logprobs.detach()
+                    ref = micro["ref_logprobs"].to(device) if "ref_logprobs" in micro else None
+                    loss, metrics = actor_objective(
+                        logprobs, entropy, old_logprobs=old, advantages=micro["advantages"].to(device),
+                        response_mask=mask, ref_logprobs=ref, algo=cfg.algo,
+                        global_tokens=global_tokens, global_seqs=global_seqs)
+                    tokens = mask.sum().item()
+                    for key, value in metrics.items():
+                        if key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+                            acc.add_sum(key, value.item() / self.updates_per_step)  # globally normalised parts
+                        else:
+                            acc.add(key, value.item(), tokens)
+                    return loss, metrics
+
+                stats = self.actor.train_mini_batch(
+                    list(mini.split(cfg.actor.micro_batch_size)), loss_fn,
+                    temperature=self.temperature, need_entropy_grad=cfg.algo.entropy_coef > 0)
+                # grad_norm and lr are identical on every rank; weight 1 per rank keeps the mean exact.
+                acc.add("actor/grad_norm", stats["grad_norm"])
+                acc.add("actor/lr", stats["lr"])
+        self.weights_stale = True
+
+    # ================================================================== metrics, validation
+    def finish_step(self, batch: RolloutBatch, acc: MetricAccumulator, timer: StageTimer) -> dict[str, float]:
+        mask = batch["response_mask"]
+        acc.add_sum("perf/total_tokens", mask.sum().item() + sum(len(p) for p in batch.prompts))
+        metrics = acc.reduce(self.group)
+        for name, seconds in timer.seconds.items():
+            metrics[f"timing_s/{name}"] = seconds  # the loop is lockstep: rank 0's clock speaks for all
+        step_s = max(timer.seconds["step"], 1e-9)
+        metrics["perf/tokens_per_s"] = metrics.pop("perf/total_tokens") / step_s
+        gen_tokens = metrics.pop("perf/gen_tokens")
+        metrics["perf/gen_tokens_per_s"] = gen_tokens / max(timer.seconds.get("gen", 1e-9), 1e-9)
+        peak = peak_flops(self.env.device)
+        if peak:
+            tokens = metrics["perf/tokens_per_s"] * step_s
+            passes = 3 * self.cfg.actor.ppo_epochs + (1 if self.ref else 0) + (1 if self.updates_per_step > 1 else 0)
+            flops = self.flops_per_token / 3 * tokens * passes  # 2N per forward, 4N per backward
+            metrics["perf/mfu"] = flops / step_s / (peak * dist.get_world_size(self.group))
+        self.sink.log(metrics, self.step)
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (``rollout.val_temperature``) answers to the held-out prompts; mean score and accuracy."""
+        if not self.val_samples:
+            return {}
+        self.sync_weights()
+        share = math.ceil(len(self.val_samples) / self.rollout_dp_size)
+        mine = list(range(self.rollout_dp * share, min((self.rollout_dp + 1) * share, len(self.val_samples))))
+        self.rollout.wake_up()
+        results: list[tuple[float, float]] = []
+        if mine:
+            out = self.rollout.generate(
+                [self.val_ids[i] for i in mine], n=1, temperature=self.cfg.rollout.val_temperature,
+                top_p=1.0, top_k=0, max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)
+            texts = self.tokenizer.batch_decode(
+                [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)],
+                skip_special_tokens=True)
+            samples = [self.val_samples[i] for i in mine]
+            with fail_together(group=self.group, what="validation scoring"):
+                result = self.scorer([s.prompt for s in samples], texts, _columns(samples))
+            main = result.main_scores
+            results = [(float(s), float(m >= 1.0 - 1e-6)) for s, m in zip(result.scores, main)]
+        else:
+            with fail_together(group=self.group, what="validation scoring"):
+                pass
+        self.rollout.sleep(self.cfg.rollout.sleep_level)
+        gathered = [r for part in all_gather_objects(results, self.group) for r in part]
+        return {
+            "val/score": sum(s for s, _ in gathered) / len(gathered),
+            "val/accuracy": sum(a for _, a in gathered) / len(gathered),
+        }
+
+    def close(self) -> None:
+        self.sink.close()
+        self.rollout.close()
+
+
+def _columns(samples: list) -> dict[str, list]:
+    from spmd_rl.data.tasks import columns_of
+
+    return columns_of(samples)
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok) if tok in tokenizer.get_vocab() else None
+        if tid is not None:
+            ids.add(int(tid))
+    return sorted(ids)

@@ -1,0 +1,20 @@
+"""User reward functions for the end-to-end tests (passed as `--reward.fn support.rewards:NAME`).
+
+A tiny random model cannot learn arithmetic in a few CPU steps, but it can learn a simple
+preference over its own output distribution quickly; that is a real policy-gradient signal.
+"""
+
+from __future__ import annotations
+
+
+def digit_fraction(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    """Fraction of the completion's characters that are digits (0 for an empty completion)."""
+    return [sum(c.isdigit() for c in text) / len(text) if text else 0.0 for text in completions]
+
+
+def raises_on_seven(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    """Fails for any prompt that mentions 7: exercises the reward error path."""
+    for p in prompts:
+        if "7" in p:
+            raise ArithmeticError("scorer exploded on a prompt with a 7")
+    return [0.0 for _ in completions]
