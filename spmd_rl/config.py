@@ -13,6 +13,7 @@ the root.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import os
 import sys
@@ -23,9 +24,25 @@ from typing import Any, Literal
 import yaml
 
 
+_DEFER_CHECKS = contextvars.ContextVar("spmd_rl_defer_config_checks", default=False)
+
+
 def _check(ok: bool, msg: str) -> None:
-    if not ok:
+    if not ok and not _DEFER_CHECKS.get():
         raise ValueError(msg)
+
+
+def validate(cfg: Any) -> None:
+    """Run every section's checks, innermost first (``__post_init__`` only checks, so re-running
+    it is safe). ``load_config`` defers checks while tyro builds the objects, then calls this, so
+    a bad value always surfaces as a plain ``ValueError`` naming the flag."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            validate(value)
+    post_init = getattr(cfg, "__post_init__", None)
+    if post_init is not None:
+        post_init()
 
 
 @dataclass(kw_only=True)
@@ -95,7 +112,7 @@ class DataConfig:
     """`arithmetic`: smallest operand."""
     operand_max: int = 20
     """`arithmetic`: largest operand."""
-    ops: str = "+-"
+    ops: str = "+"
     """`arithmetic`: operators to draw from, any of `+-*`."""
     countdown_numbers: int = 3
     """`countdown`: how many numbers are given."""
@@ -106,6 +123,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(self.train_batch_size >= 1, f"data.train_batch_size must be >= 1, got {self.train_batch_size}")
+        _check(self.val_size >= 0, f"data.val_size must be >= 0, got {self.val_size}")
         _check(self.max_prompt_length >= 1, f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
         _check(
             self.operand_min <= self.operand_max,
@@ -125,8 +143,8 @@ class RolloutConfig:
     """Generation engine: the built-in one (no extra dependency) or vLLM (the `vllm` extra)."""
     n: int = 4
     """Responses sampled per prompt (the GRPO group size)."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 means greedy."""
+    temperature: float = 0.7
+    """Sampling temperature; 0 means greedy. The trainer computes log-probs at the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest token set whose probability reaches top_p."""
     top_k: int = 0
@@ -216,7 +234,7 @@ class MegatronConfig:
 class ActorConfig:
     engine: Literal["fsdp", "megatron"] = "fsdp"
     """Training engine: FSDP2 (`actor.fsdp.*`) or megatron-core (`actor.megatron.*`)."""
-    lr: float = 1e-6
+    lr: float = 1e-5
     """Peak learning rate of AdamW."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
@@ -388,7 +406,7 @@ class Config:
             f"data.train_batch_size ({self.data.train_batch_size})",
         )
         _check(
-            self.data.train_batch_size % self.actor.ppo_mini_batch_size == 0,
+            self.actor.ppo_mini_batch_size < 1 or self.data.train_batch_size % self.actor.ppo_mini_batch_size == 0,
             f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must divide "
             f"data.train_batch_size ({self.data.train_batch_size})",
         )
@@ -487,14 +505,21 @@ def load_config(argv: list[str] | None = None, *, prog: str = "spmd_rl.train", e
     base = from_yaml(path) if path else Config()
     description = (description or Config.__doc__ or "") + (
         "\n\n--config PATH  a YAML preset (see configs/); flags given after it override it.")
+    token = _DEFER_CHECKS.set(True)
+    try:
+        if extra is None:
+            out = tyro.cli(Config, default=base, args=rest, prog=prog, description=description)
+        else:
+            combined = _combined_type(extra)
+            defaults = {f.name: getattr(base, f.name) for f in dataclasses.fields(Config)}
+            out = tyro.cli(combined, default=combined(**defaults), args=rest, prog=prog, description=description)
+        cfg = Config(**{f.name: getattr(out, f.name) for f in dataclasses.fields(Config)})
+    finally:
+        _DEFER_CHECKS.reset(token)
+    validate(cfg)
     if extra is None:
-        return tyro.cli(Config, default=base, args=rest, prog=prog, description=description)
-    combined = _combined_type(extra)
-    defaults = {f.name: getattr(base, f.name) for f in dataclasses.fields(Config)}
-    out = tyro.cli(combined, default=combined(**defaults), args=rest, prog=prog, description=description)
-    cfg = Config(**{f.name: getattr(out, f.name) for f in dataclasses.fields(Config)})
-    ext = extra(**{f.name: getattr(out, f.name) for f in dataclasses.fields(extra)})
-    return cfg, ext
+        return cfg
+    return cfg, extra(**{f.name: getattr(out, f.name) for f in dataclasses.fields(extra)})
 
 
 def _combined_type(extra: type) -> type:
@@ -511,5 +536,5 @@ def _combined_type(extra: type) -> type:
 __all__ = [
     "ActorConfig", "AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "FsdpConfig",
     "LoggingConfig", "MegatronConfig", "ModelConfig", "PoolsConfig", "RefConfig", "RewardConfig",
-    "RolloutConfig", "TrainerConfig", "from_yaml", "load_config", "to_dict", "to_yaml",
+    "RolloutConfig", "TrainerConfig", "from_yaml", "load_config", "to_dict", "to_yaml", "validate",
 ]

@@ -134,7 +134,8 @@ class RunSink:
             log.info(text)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        record = {"step": step, **{k: _round(v) for k, v in sorted(metrics.items())}}
+        record = {"step": step, "elapsed_s": round(time.time() - self.start_time, 3),
+                  **{k: _round(v) for k, v in sorted(metrics.items())}}
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()

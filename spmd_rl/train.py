@@ -19,12 +19,12 @@ log = logging.getLogger("spmd_rl")
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = load_config(argv)
     env = DistEnv.from_environ()
     setup_logging(env.rank, env.hostname)
     try:
+        cfg = load_config(argv)
         dims.plan(cfg, env.world_size, env.local_world_size)  # every layout rule, before any group
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         if env.is_main:
             print(f"spmd_rl.train: invalid configuration: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,122 @@
+"""Config: every validation rule with its message, YAML < flag precedence, unknown keys, --help."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from spmd_rl.config import Config, from_yaml, load_config, to_yaml
+
+# (flags, the message the rule must give) — one row per rule in spmd_rl/config.py.
+RULES = [
+    (["--model.tiny-layers", "0"], "model.tiny_layers must be >= 1, got 0"),
+    (["--model.tiny-hidden", "30", "--model.tiny-heads", "4"], "model.tiny_hidden (30) must be divisible by model.tiny_heads (4)"),
+    (["--model.tiny-heads", "4", "--model.tiny-kv-heads", "3"], "model.tiny_heads (4) must be divisible by model.tiny_kv_heads (3)"),
+    (["--data.train-batch-size", "0"], "data.train_batch_size must be >= 1, got 0"),
+    (["--data.val-size", "-1"], "data.val_size must be >= 0, got -1"),
+    (["--data.max-prompt-length", "0"], "data.max_prompt_length must be >= 1, got 0"),
+    (["--data.operand-min", "5", "--data.operand-max", "2"], "data.operand_min (5) must be <= data.operand_max (2)"),
+    (["--data.ops", "/"], "data.ops must be a non-empty subset of '+-*', got '/'"),
+    (["--data.countdown-numbers", "1"], "data.countdown_numbers must be >= 2, got 1"),
+    (["--data.task", "file"], "data.task=file reads a file: set --data.path"),
+    (["--data.task", "gsm8k"], "data.task=gsm8k reads a file: set --data.path"),
+    (["--rollout.n", "0"], "rollout.n must be >= 1, got 0"),
+    (["--rollout.temperature", "-0.5"], "rollout.temperature must be >= 0, got -0.5"),
+    (["--rollout.top-p", "0"], "rollout.top_p must be in (0, 1], got 0.0"),
+    (["--rollout.top-k", "-1"], "rollout.top_k must be >= 0, got -1"),
+    (["--rollout.max-new-tokens", "0"], "rollout.max_new_tokens must be >= 1, got 0"),
+    (["--rollout.batch-size", "0"], "rollout.batch_size must be >= 1, got 0"),
+    (["--rollout.tp", "0"], "rollout.tp (0) and rollout.pp (1) must be >= 1"),
+    (["--rollout.gpu-memory-utilization", "1.5"], "rollout.gpu_memory_utilization must be in (0, 1], got 1.5"),
+    (["--actor.fsdp.fsdp-size", "0"], "actor.fsdp.fsdp_size must be -1 or >= 1, got 0"),
+    (["--actor.fsdp.ulysses-size", "0"], "actor.fsdp.ulysses_size must be >= 1, got 0"),
+    (["--actor.megatron.tp", "0"], "actor.megatron.tp must be >= 1, got 0"),
+    (["--actor.megatron.pp", "0"], "actor.megatron.pp must be >= 1, got 0"),
+    (["--actor.megatron.vpp", "0"], "actor.megatron.vpp must be >= 1, got 0"),
+    (["--actor.megatron.cp", "0"], "actor.megatron.cp must be >= 1, got 0"),
+    (["--actor.megatron.ep", "0"], "actor.megatron.ep must be >= 1, got 0"),
+    (["--actor.megatron.etp", "0"], "actor.megatron.etp must be >= 1, got 0"),
+    (["--actor.megatron.order", "tp-dp-pp"], "actor.megatron.order must name tp, cp, ep, dp, pp once each"),
+    (["--actor.lr", "0"], "actor.lr must be > 0, got 0.0"),
+    (["--actor.warmup-steps", "-1"], "actor.warmup_steps must be >= 0, got -1"),
+    (["--actor.min-lr-ratio", "2"], "actor.min_lr_ratio must be in [0, 1], got 2.0"),
+    (["--actor.grad-clip", "-1"], "actor.grad_clip must be >= 0, got -1.0"),
+    (["--actor.ppo-mini-batch-size", "0"], "actor.ppo_mini_batch_size must be >= 1, got 0"),
+    (["--actor.micro-batch-size", "0"], "actor.micro_batch_size must be >= 1, got 0"),
+    (["--actor.ppo-epochs", "0"], "actor.ppo_epochs must be >= 1, got 0"),
+    (["--algo.clip-low", "-0.1"], "algo.clip_low (-0.1) and algo.clip_high (0.2) must be >= 0"),
+    (["--algo.clip-c", "1"], "algo.clip_c must be > 1, got 1.0"),
+    (["--algo.kl-coef", "-1"], "algo.kl_coef must be >= 0, got -1.0"),
+    (["--pools.reward-ranks", "-1"], "pools.reward_ranks must be >= 0, got -1"),
+    (["--trainer.total-steps", "0"], "trainer.total_steps must be >= 1, got 0"),
+    (["--trainer.val-every", "-1"], "trainer.val_every must be >= 0, got -1"),
+    (["--trainer.dist-timeout-s", "0"], "trainer.dist_timeout_s must be >= 1, got 0"),
+    (["--checkpoint.every", "-1"], "checkpoint.every must be >= 0, got -1"),
+    (["--checkpoint.keep", "0"], "checkpoint.keep must be >= 1, got 0"),
+    (["--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "16"],
+     "actor.ppo_mini_batch_size (16) must be <= data.train_batch_size (8)"),
+    (["--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "3"],
+     "actor.ppo_mini_batch_size (3) must divide data.train_batch_size (8)"),
+]
+
+
+@pytest.mark.parametrize("flags,message", RULES, ids=[r[1][:40] for r in RULES])
+def test_rule_message(flags, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(flags)
+
+
+def test_yaml_then_flags_precedence(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("rollout:\n  n: 16\n  max_new_tokens: 99\nactor:\n  fsdp:\n    fsdp_size: 2\n  betas: [0.8, 0.9]\n")
+    cfg = load_config(["--config", str(path), "--rollout.n", "3"])
+    assert cfg.rollout.n == 3  # flag beats YAML
+    assert cfg.rollout.max_new_tokens == 99  # YAML beats default
+    assert cfg.actor.fsdp.fsdp_size == 2
+    assert cfg.actor.betas == (0.8, 0.9)
+    assert cfg.rollout.top_p == Config().rollout.top_p  # default stays
+    cfg2 = load_config([f"--config={path}"])
+    assert cfg2.rollout.n == 16
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(["--rollout.n", "5", "--data.ops", "+*"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert from_yaml(str(path)) == cfg
+
+
+def test_unknown_yaml_key_lists_valid_keys(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  nn: 4\n")
+    with pytest.raises(ValueError, match=r"unknown config key rollout\.nn; valid keys: backend, n, temperature"):
+        load_config(["--config", str(path)])
+    path.write_text("rolout: {}\n")
+    with pytest.raises(ValueError, match=r"unknown config key rolout; valid keys: model, data, rollout"):
+        load_config(["--config", str(path)])
+
+
+def test_missing_yaml_file():
+    with pytest.raises(FileNotFoundError, match="--config nope.yaml: no such file"):
+        load_config(["--config", "nope.yaml"])
+
+
+def test_rule_from_yaml_names_the_flag(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("rollout:\n  n: 0\n")
+    with pytest.raises(ValueError, match=re.escape("rollout.n must be >= 1, got 0")):
+        load_config(["--config", str(path)])
+
+
+@pytest.mark.parametrize("module", ["spmd_rl.train", "spmd_rl.layout"])
+def test_help_shows_field_docs(module):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "--rollout.n" in text and "Responses sampled per prompt" in text
+    assert "--actor.fsdp.fsdp-size" in text and "--config PATH" in text
+    if module == "spmd_rl.layout":
+        assert "--world-size" in text

@@ -1,0 +1,72 @@
+"""DistEnv reads torchrun's environment, else Slurm's (recorded srun environments), else one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from spmd_rl.dist.env import DistEnv, expand_slurm_nodelist, format_rank_table
+
+TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
+            "MASTER_ADDR": "node-a", "MASTER_PORT": "29400"}
+
+# What `srun --nodes 2 --ntasks-per-node 4` sets for the 7th task (recorded on a Slurm 23 cluster,
+# trimmed to the variables the project reads).
+SRUN_TASK6 = {"SLURM_PROCID": "6", "SLURM_LOCALID": "2", "SLURM_NTASKS": "8", "SLURM_NNODES": "2",
+              "SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "4242",
+              "SLURM_JOB_NODELIST": "gpu-[07-08]", "SLURM_STEP_NODELIST": "gpu-[07-08]"}
+
+
+def test_torchrun_env():
+    env = DistEnv.from_environ(TORCHRUN)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank) == (5, 1, 8, 4, 1)
+    assert (env.master_addr, env.master_port, env.launcher) == ("node-a", 29400, "torchrun")
+
+
+def test_torchrun_wins_over_slurm():
+    # torchrun started inside an sbatch allocation: both sets exist, torchrun's describe the process.
+    env = DistEnv.from_environ({**SRUN_TASK6, **TORCHRUN})
+    assert env.launcher == "torchrun" and env.rank == 5
+
+
+def test_srun_env():
+    env = DistEnv.from_environ(SRUN_TASK6)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank) == (6, 2, 8, 4, 1)
+    assert env.master_addr == "gpu-07"  # first host of the step's node list
+    assert env.master_port == 20000 + 4242 % 20000
+    assert env.launcher == "slurm"
+
+
+def test_srun_env_explicit_master():
+    env = DistEnv.from_environ({**SRUN_TASK6, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (env.master_addr, env.master_port) == ("10.0.0.1", 1234)
+
+
+def test_single_process():
+    env = DistEnv.from_environ({})
+    assert (env.rank, env.world_size, env.launcher) == (0, 1, "single")
+
+
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("login1", ["login1"]),
+    ("gpu[01-03]", ["gpu01", "gpu02", "gpu03"]),
+    ("gpu[01-02,07],cpu5", ["gpu01", "gpu02", "gpu07", "cpu5"]),
+    ("a[8-11]-ib", ["a8-ib", "a9-ib", "a10-ib", "a11-ib"]),
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_slurm_nodelist(nodelist) == hosts
+
+
+def test_cuda_without_gpu_names_the_flag():
+    if DistEnv().pick_device("auto").type == "cuda":
+        pytest.skip("this check is for machines without CUDA")
+    with pytest.raises(ValueError, match="trainer.device=cuda but torch sees no CUDA device"):
+        DistEnv().pick_device("cuda")
+
+
+def test_rank_table_lists_pools():
+    rows = [{"rank": 0, "node": 0, "host": "h", "local_rank": 0, "device": "cpu", "pools": {"global": 0}},
+            {"rank": 1, "node": 0, "host": "h", "local_rank": 1, "device": "cpu", "pools": {"reward": 0}}]
+    table = format_rank_table(rows).splitlines()
+    assert table[0].split()[:5] == ["rank", "node", "host", "local_rank", "device"]
+    assert table[2].endswith("global:0") and table[3].endswith("reward:0")
