@@ -12,7 +12,10 @@ fails the call with that rank's traceback instead of hanging the others.
 from __future__ import annotations
 
 import os
+import pickle
+import queue as queue_lib
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -39,8 +42,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
-        result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Plain pickle: tensors travel as bytes, not as shared memory that dies with the worker.
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure, including SystemExit from product code
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -56,7 +59,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
     the first failing rank's traceback.
     """
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, timeout_s))
@@ -66,13 +69,23 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
         p.start()
     results: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
-    for _ in range(world_size):
-        rank, ok, payload = queue.get()
+    deadline = time.monotonic() + timeout_s + 120
+    while len(results) < world_size and not failures:
+        try:
+            rank, ok, payload = queue.get(timeout=1.0)
+        except queue_lib.Empty:
+            # A worker that died before reporting (killed, or fn could not be unpickled) would
+            # otherwise leave us waiting forever.
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+            if dead or time.monotonic() > deadline:
+                failures.append((dead[0][0] if dead else -1,
+                                 f"worker exited with code {dead[0][1]} without reporting" if dead
+                                 else f"no result within {timeout_s + 120:.0f} s"))
+            continue
         if ok:
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
-            failures.append((rank, payload))
-            break  # other ranks may be blocked in a collective with the failed one
+            failures.append((rank, payload))  # others may be blocked in a collective with it
     if failures:
         for p in procs:
             p.join(timeout=5)
