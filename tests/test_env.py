@@ -70,3 +70,18 @@ def test_rank_table_lists_pools():
     table = format_rank_table(rows).splitlines()
     assert table[0].split()[:5] == ["rank", "node", "host", "local_rank", "device"]
     assert table[2].endswith("global:0") and table[3].endswith("reward:0")
+
+
+# `sbatch -n 2` then `srun` with no --ntasks-per-node (recorded on the Debian 12 Slurm 22.05
+# test cluster of tests/support/slurm_cluster.sh, second task): SLURM_NTASKS_PER_NODE is absent,
+# only SLURM_TASKS_PER_NODE / SLURM_STEP_TASKS_PER_NODE say "2".
+SRUN_NO_PER_NODE = {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_NNODES": "1",
+                    "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2",
+                    "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "6",
+                    "SLURM_JOB_NODELIST": "vm", "SLURM_STEP_NODELIST": "vm", "SLURM_NODELIST": "vm"}
+
+
+def test_srun_env_without_ntasks_per_node():
+    env = DistEnv.from_environ(SRUN_NO_PER_NODE)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank) == (1, 1, 2, 2, 0)
+    assert (env.master_addr, env.master_port, env.launcher) == ("vm", 20006, "slurm")
