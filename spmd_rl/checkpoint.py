@@ -1,0 +1,502 @@
+"""Distributed checkpoints: save the whole training state with DCP, find it again, resume from it.
+
+    ckpt = Checkpointer(checkpoint=cfg.checkpoint, output_dir=cfg.trainer.output_dir,
+                        total_steps=cfg.trainer.total_steps, rank_table=rows, config=to_dict(cfg))
+    sink = RunSink(..., start_step=ckpt.start_step)          # known before anything is loaded
+    ckpt.track(model_folder=folder, actor=engine, sampler=sampler)   # state_dict()/load_state_dict()
+    step = ckpt.resume()                                     # 0 on a fresh start
+    while step < total: ...; ckpt.maybe_save(step)           # its own cadence: every N, final
+
+What a checkpoint holds (``<output_dir>/checkpoints/step_N/``):
+
+* the tracked components' ``state_dict()`` in one ``torch.distributed.checkpoint`` (DCP) save: the
+  actor's sharded model and optimizer (DTensors, never gathered), its LR scheduler, the prompt
+  sampler's position. DCP files: ``.metadata`` and one ``__R_0.distcp`` per rank;
+* ``rng/rank_R.json``: every rank's Python ``random``, NumPy, torch CPU (and CUDA) RNG states;
+* ``meta.json``: step, time, the rank table of the saving run, the model it trained;
+* ``config.yaml``: the run's resolved config;
+* ``hf/``: the model folder's config and tokenizer files, so ``python -m spmd_rl.export`` needs
+  nothing else;
+* ``COMPLETE``: the completion marker, written last.
+
+Atomicity: every rank writes into ``checkpoints/.tmp-step_N``; after a barrier rank 0 writes the
+marker, renames the folder to ``step_N`` and replaces the ``latest`` pointer file (temp file +
+``os.replace``). A process killed at any point leaves the previous checkpoint complete and chosen
+by ``resume: auto``, which ignores ``.tmp-*`` folders and folders without the marker.
+
+Resume reshards: DCP maps the saved shards onto the current world size and FSDP/HSDP layout. The
+RNG state of rank R comes from ``rng/rank_R.json`` when the saving run had that rank. Differences
+between the saving and the resuming run (world size, hosts, devices, config) are logged, not
+refused. Non-tensor values inside DCP are read back with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+from spmd_rl.config import CheckpointConfig
+from spmd_rl.dist.comm import broadcast_object, fail_together
+
+log = logging.getLogger("spmd_rl")
+
+FORMAT_VERSION = 1
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+MARKER = "COMPLETE"
+TMP_PREFIX = ".tmp-"
+STEP_PREFIX = "step_"
+# Weight files are not copied into a checkpoint's hf/ folder: the checkpoint holds the weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+_NOT_COPIED = {"model.safetensors.index.json", "pytorch_model.bin.index.json", ".spmd_rl_complete"}
+# Config keys whose change on resume is expected and not worth a log line.
+_QUIET_KEYS = ("checkpoint.", "trainer.output_dir", "trainer.total_steps", "logging.")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# --------------------------------------------------------------------------- finding checkpoints
+
+
+def step_of(folder: str | os.PathLike) -> int | None:
+    """``N`` for a folder named ``step_N``, else None."""
+    name = Path(folder).name
+    if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
+        return int(name[len(STEP_PREFIX):])
+    return None
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    """A published checkpoint: named ``step_N``, holding the completion marker and its metadata."""
+    folder = Path(folder)
+    return step_of(folder) is not None and (folder / MARKER).is_file() and (folder / "meta.json").is_file()
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``root`` (a ``checkpoints`` folder), oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: step_of(p))  # type: ignore[arg-type, return-value]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The checkpoint ``resume: auto`` continues from: the ``latest`` pointer when it names a
+    complete checkpoint, else the complete checkpoint with the highest step, else None."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if target.name and is_complete(target):
+            return target
+    complete = list_checkpoints(root)
+    return complete[-1] if complete else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder from a user path: a ``step_N`` folder, a ``checkpoints`` folder or a run
+    folder (its newest complete checkpoint). Raises ``FileNotFoundError`` saying what was found."""
+    path = Path(path).expanduser()
+    if is_complete(path):
+        return path.resolve()
+    if step_of(path) is not None and path.is_dir():
+        raise FileNotFoundError(f"{path} is an incomplete checkpoint (no {MARKER} marker): its save was "
+                                "interrupted; use an earlier step_N folder")
+    for root in (path, path / CHECKPOINTS):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found.resolve()
+    raise FileNotFoundError(f"{path}: no complete checkpoint there (looked for {STEP_PREFIX}N folders with a "
+                            f"{MARKER} marker in it and in {path / CHECKPOINTS})")
+
+
+def read_meta(folder: str | os.PathLike) -> dict[str, Any]:
+    with open(Path(folder) / "meta.json") as f:
+        return json.load(f)
+
+
+# --------------------------------------------------------------------------- safe DCP loading
+
+
+class _WeightsOnlyBytes:
+    """Non-tensor DCP entries (optimizer hyper-parameters, scheduler and sampler states) are read
+    with ``torch.load(weights_only=True)``: plain containers and numbers only, no arbitrary pickle."""
+
+    def load_bytes(self, read_item, value) -> None:  # type: ignore[no-untyped-def]
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:  # type: ignore[attr-defined]
+            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)  # type: ignore[attr-defined]
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj  # type: ignore[attr-defined]
+
+
+class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
+    """DCP's default load planner with weights-only reading of non-tensor values."""
+
+
+class SafeEmptyLoadPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    """Rebuilds (a subset of) a saved state dict from the metadata alone, without a model."""
+
+
+def load_without_process_group(folder: str | os.PathLike, prefixes: list[str] | None = None) -> dict[str, Any]:
+    """Read a DCP checkpoint in one process, no process group needed: the nested state dict,
+    restricted to entries under the given dotted ``prefixes`` (e.g. ``["actor.model"]``).
+
+    Tensors come back whole (every rank's shard stitched together) on the CPU.
+    """
+    from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: PLC0415
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(folder)),
+                     planner=SafeEmptyLoadPlanner(keys=set(prefixes) if prefixes else None), no_dist=True)
+    return state
+
+
+# --------------------------------------------------------------------------- RNG states
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's RNG states as JSON-able data: Python, NumPy, torch CPU and (when used) CUDA."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(torch.get_rng_state()),
+        "cuda": None,
+    }
+    if device is not None and device.type == "cuda":
+        state["cuda"] = _b64(torch.cuda.get_rng_state(device))
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if state.get("cuda") and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(_unb64(state["cuda"]), device)
+
+
+# --------------------------------------------------------------------------- small file helpers
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    _write_file(tmp, text)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def truncate_metrics(path: str | os.PathLike, keep_through_step: int) -> int:
+    """Drop lines of a ``metrics.jsonl`` whose step is after ``keep_through_step`` (all lines when
+    starting fresh, i.e. ``-1``), so a resumed run does not log a step twice. Returns lines dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                step = int(json.loads(line).get("step", 0))
+            except (ValueError, AttributeError):
+                dropped += 1  # a line cut short by a kill
+                continue
+            if step <= keep_through_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        write_atomic(path, "".join(kept))
+    return dropped
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def describe_differences(saved_meta: dict[str, Any], saved_config: dict[str, Any] | None,
+                         rank_table: list[dict[str, Any]], config: dict[str, Any] | None) -> list[str]:
+    """Human-readable differences between the saving run and this one (world, hosts, devices, config)."""
+    out = []
+    old_rows = saved_meta.get("rank_table") or []
+    if len(old_rows) != len(rank_table):
+        out.append(f"world size {len(old_rows)} -> {len(rank_table)}")
+    old_hosts = sorted({str(r.get("host")) for r in old_rows})
+    new_hosts = sorted({str(r.get("host")) for r in rank_table})
+    if old_hosts != new_hosts:
+        out.append(f"hosts {old_hosts} -> {new_hosts}")
+    old_dev = sorted({str(r.get("device")).split(":")[0] for r in old_rows})
+    new_dev = sorted({str(r.get("device")).split(":")[0] for r in rank_table})
+    if old_dev != new_dev:
+        out.append(f"devices {old_dev} -> {new_dev}")
+    if saved_config is not None and config is not None:
+        old, new = _flat(saved_config), _flat(config)
+        for key in sorted(set(old) | set(new)):
+            if key.startswith(_QUIET_KEYS) or old.get(key) == new.get(key):
+                continue
+            out.append(f"{key} {old.get(key)!r} -> {new.get(key)!r}")
+    return out
+
+
+# --------------------------------------------------------------------------- the checkpointer
+
+
+class Checkpointer:
+    """Saves and restores a run's state (see the module docstring). Collective: every rank of
+    ``group`` constructs it and calls :meth:`resume` / :meth:`maybe_save` together."""
+
+    def __init__(self, *, checkpoint: CheckpointConfig, output_dir: str, total_steps: int,
+                 rank_table: list[dict[str, Any]], config: dict[str, Any] | None = None,
+                 device: torch.device | None = None, group: dist.ProcessGroup | None = None) -> None:
+        self.cfg = checkpoint
+        self.root = Path(output_dir) / CHECKPOINTS
+        self.metrics_path = Path(output_dir) / "metrics.jsonl"
+        self.total_steps = total_steps
+        self.rank_table = rank_table
+        self.config = config
+        self.device = device
+        self.group = group
+        distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.is_coordinator = (dist.get_rank(group) if distributed else 0) == 0
+        self.components: dict[str, Stateful] = {}
+        self.model_folder: str | None = None
+        # Rank 0 decides what to resume from and tells the others, so all load the same folder.
+        source = None
+        with fail_together(group=group, what="finding the checkpoint to resume"):
+            if self.is_coordinator:
+                source = self._locate()
+        coordinator = dist.get_global_rank(group, 0) if distributed and group is not None else 0
+        source = broadcast_object(None if source is None else str(source), src=coordinator, group=group)
+        self.source: Path | None = Path(source) if source else None
+        self.start_step = 0
+        if self.source is not None:
+            self.start_step = int(read_meta(self.source)["step"])
+        self._last_saved = self.start_step if self.source is not None else None
+        if self.is_coordinator:
+            dropped = truncate_metrics(self.metrics_path, self.start_step if self.source is not None else -1)
+            if dropped:
+                log.info(f"{self.metrics_path}: dropped {dropped} line(s) after step {self.start_step}, "
+                         "which this run logs again")
+
+    def _locate(self) -> Path | None:
+        """What to resume from (coordinator only): None, or a complete checkpoint folder."""
+        mode = self.cfg.resume
+        if mode == "never":
+            if list_checkpoints(self.root):
+                log.warning(f"checkpoint.resume=never: {self.root} already holds checkpoints; this run starts "
+                            "from step 0 and its saves replace theirs step by step")
+            return None
+        if mode == "auto":
+            found = latest_checkpoint(self.root)
+            ignored = [p.name for p in self.root.iterdir()
+                       if p.is_dir() and not is_complete(p)] if self.root.is_dir() else []
+            if ignored:
+                log.info(f"checkpoint.resume=auto: ignoring incomplete folder(s) {sorted(ignored)} in {self.root}")
+            return found
+        try:
+            return resolve_checkpoint(mode)
+        except FileNotFoundError as e:
+            raise ValueError(f"checkpoint.resume={mode}: {e}") from e
+
+    def track(self, *, model_folder: str | None = None, **components: Stateful) -> None:
+        """Name the objects whose ``state_dict()`` a checkpoint holds, and the model folder whose
+        config and tokenizer files are copied next to the weights (for the HF export)."""
+        self.components.update(components)
+        if model_folder is not None:
+            self.model_folder = model_folder
+
+    # ------------------------------------------------------------------ resume
+    def resume(self) -> int:
+        """Load the chosen checkpoint into the tracked components and the RNGs; return its step
+        (0 when starting fresh). Every rank calls this."""
+        if self.source is None:
+            if self.cfg.resume == "auto":
+                log.info(f"checkpoint.resume=auto: no checkpoint in {self.root}, starting at step 0")
+            return 0
+        start = time.perf_counter()
+        meta = read_meta(self.source)
+        missing = sorted(set(self.components) - set(meta.get("components", [])))
+        if missing:
+            raise ValueError(f"checkpoint {self.source} has no state for {missing}; it holds {meta.get('components')}")
+        states = {name: comp.state_dict() for name, comp in self.components.items()}
+        dcp.load(states, storage_reader=dcp.FileSystemReader(str(self.source)), planner=SafeLoadPlanner(),
+                 process_group=self.group)
+        for name, comp in self.components.items():
+            comp.load_state_dict(states[name])
+        rng_file = self.source / "rng" / f"rank_{self.rank}.json"
+        if rng_file.is_file():
+            with open(rng_file) as f:
+                set_rng_state(json.load(f), self.device)
+        else:
+            log.warning(f"{self.source} has no RNG state for rank {self.rank} (saved by "
+                        f"{len(meta.get('rank_table', []))} ranks); this rank keeps its seeded RNG state")
+        saved_config = None
+        if (self.source / "config.yaml").is_file():
+            saved_config = yaml.safe_load((self.source / "config.yaml").read_text())
+        diffs = describe_differences(meta, saved_config, self.rank_table, self.config)
+        log.info(f"resumed from {self.source} at step {meta['step']} in {time.perf_counter() - start:.2f} s"
+                 + (f"; differences from the saving run: {'; '.join(diffs)}" if diffs else
+                    "; same world and config as the saving run"))
+        return int(meta["step"])
+
+    # ------------------------------------------------------------------ save
+    def due(self, step: int) -> bool:
+        """Whether ``step`` gets a checkpoint: every ``checkpoint.every`` steps and after the last."""
+        if self._last_saved == step:
+            return False
+        every = self.cfg.every and step % self.cfg.every == 0
+        final = self.cfg.save_final and step == self.total_steps
+        return bool(every or final)
+
+    def maybe_save(self, step: int, force: bool = False) -> Path | None:
+        """Save when :meth:`due` (or ``force``); returns the published folder or None."""
+        if not (force or self.due(step)):
+            return None
+        return self.save(step)
+
+    def save(self, step: int) -> Path:
+        """Write ``step_<step>`` atomically (collective over the group)."""
+        start = time.perf_counter()
+        name = f"{STEP_PREFIX}{step}"
+        tmp = self.root / f"{TMP_PREFIX}{name}"
+        with fail_together(group=self.group, what=f"checkpoint save setup ({tmp})"):
+            if self.is_coordinator:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                (tmp / "rng").mkdir(parents=True)
+        states = {n: comp.state_dict() for n, comp in self.components.items()}
+        dcp.save(states, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.group)
+        with fail_together(group=self.group, what=f"checkpoint save ({tmp})"):
+            _write_file(tmp / "rng" / f"rank_{self.rank}.json", json.dumps(rng_state(self.device)))
+            if self.is_coordinator:
+                self._write_rank0_files(tmp, step)
+        # Every rank finished writing (fail_together is a barrier): publish.
+        with fail_together(group=self.group, what=f"checkpoint publish ({name})"):
+            if self.is_coordinator:
+                self._publish(tmp, name)
+        self._last_saved = step
+        if self.is_coordinator:
+            final = self.root / name
+            log.info(f"saved checkpoint {final} ({_folder_bytes(final) / 2**20:.1f} MiB) in "
+                     f"{time.perf_counter() - start:.2f} s")
+        return self.root / name
+
+    def _write_rank0_files(self, tmp: Path, step: int) -> None:
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "world_size": len(self.rank_table),
+            "rank_table": self.rank_table,
+            "components": sorted(self.components),
+            "model_folder": self.model_folder,
+            "torch_version": torch.__version__,
+        }
+        _write_file(tmp / "meta.json", json.dumps(meta, indent=1, default=str) + "\n")
+        if self.config is not None:
+            _write_file(tmp / "config.yaml", yaml.safe_dump(self.config, sort_keys=False))
+        if self.model_folder is not None:
+            hf = tmp / "hf"
+            hf.mkdir()
+            for item in sorted(Path(self.model_folder).iterdir()):
+                if item.is_file() and item.name not in _NOT_COPIED and not item.name.endswith(_WEIGHT_SUFFIXES):
+                    shutil.copy2(item, hf / item.name)
+
+    def _publish(self, tmp: Path, name: str) -> None:
+        _write_file(tmp / MARKER, json.dumps({"step": step_of(name)}) + "\n")
+        _fsync_dir(tmp)
+        final = self.root / name
+        if final.exists():  # a run started with resume=never, or a re-save of the same step
+            trash = self.root / f"{TMP_PREFIX}old-{name}"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.root)
+        write_atomic(self.root / LATEST, name + "\n")
+        self._prune(step_of(name))  # type: ignore[arg-type]
+
+    def _prune(self, current: int) -> None:
+        """Keep the newest ``checkpoint.keep`` checkpoints up to ``current``; drop leftovers of
+        interrupted saves. Checkpoints after ``current`` (an abandoned longer run) stay."""
+        older = [p for p in list_checkpoints(self.root) if step_of(p) <= current]  # type: ignore[operator]
+        for stale in older[:-self.cfg.keep]:
+            shutil.rmtree(stale, ignore_errors=True)
+        for leftover in self.root.glob(f"{TMP_PREFIX}*"):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+__all__ = [
+    "Checkpointer", "SafeEmptyLoadPlanner", "SafeLoadPlanner", "describe_differences", "is_complete",
+    "latest_checkpoint", "list_checkpoints", "load_without_process_group", "read_meta", "resolve_checkpoint",
+    "rng_state", "set_rng_state", "step_of", "truncate_metrics",
+]
