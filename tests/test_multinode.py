@@ -6,7 +6,8 @@
   host name and /etc/hosts), c10d rendezvous on the head named by host name, as on a real
   cluster. Needs root and `ip netns`; skipped with the error text where a namespace cannot be made.
 
-Also the launch scripts' usage texts and argument errors, and the layout check script.
+Also `launch/single_node.sh` for real, the launch scripts' usage texts and argument errors, and
+the layout check script.
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ def test_two_nodes_on_localhost_static(tmp_path):
     rows, printer = _check_run(procs, out)
     assert [(row["rank"], row["node"], row["local_rank"]) for row in rows] == [("0", "0", "0"), ("1", "1", "0")]
     assert printer == 1  # the process started with --node-rank 0 holds global rank 0
+
+
+def test_single_node_script(tmp_path):
+    out = str(tmp_path / "run")
+    proc = _start([os.path.join(LAUNCH, "single_node.sh"), "--nproc", "2", "--max-restarts", "1", "--",
+                   *short_run(out)], _env())
+    rows, _ = _check_run([proc], out)
+    assert [(row["rank"], row["node"], row["local_rank"]) for row in rows] == [("0", "0", "0"), ("1", "0", "1")]
 
 
 # ---------------------------------------------------------------------------- own addresses
