@@ -38,12 +38,9 @@ UNTIMED = ("timing_s/", "perf/", "elapsed_s")
 def launch(out_dir: Path, *flags: str, nproc: int = 2, restarts: int = 0, env: dict | None = None,
            timeout: int = 300) -> subprocess.CompletedProcess:
     environ = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **(env or {}))
-    if restarts:
-        # A fresh rendezvous store per restart (docs/CHECKPOINTS.md, crash recovery).
-        rdzv = ["--standalone", "--max-restarts", str(restarts)]
-        environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    else:
-        rdzv = ["--master-port", str(free_port())]
+    # Plain torchrun flags: DistEnv gives every restart attempt its own namespace in the agent's
+    # store, so `--max-restarts` needs no extra setting (docs/CHECKPOINTS.md, crash recovery).
+    rdzv = ["--master-port", str(free_port()), "--max-restarts", str(restarts)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *rdzv,
            "-m", "spmd_rl.train", *TINY, "--trainer.output-dir", str(out_dir), *flags]
     proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout, cwd=REPO)

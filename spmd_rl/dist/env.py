@@ -148,13 +148,18 @@ class DistEnv:
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
         os.environ.setdefault("MASTER_ADDR", self.master_addr)
         os.environ.setdefault("MASTER_PORT", str(self.master_port))
-        init_method = None if self.launcher != "single" else f"tcp://127.0.0.1:{_free_port()}"
+        timeout = timedelta(seconds=timeout_s)
+        store = _restart_safe_store(self, timeout)
+        init_method = None
+        if store is None:
+            init_method = "env://" if self.launcher != "single" else f"tcp://127.0.0.1:{_free_port()}"
         dist.init_process_group(
             backend=backend,
-            init_method=init_method or "env://",
+            init_method=init_method,
+            store=store,
             rank=self.rank,
             world_size=self.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=self.device if self.device.type == "cuda" else None,
         )
         return self
@@ -171,6 +176,21 @@ class DistEnv:
             "local_rank": self.local_rank,
             "device": str(self.device),
         }
+
+
+def _restart_safe_store(env: "DistEnv", timeout: timedelta) -> dist.Store | None:
+    """Under torchrun the workers share the agent's TCP store across restarts (``--max-restarts``).
+
+    Keys written by the processes of a crashed attempt (gloo/NCCL peer addresses) are still there
+    when the restarted processes rendezvous, and they can connect to dead peers and hang. A
+    prefix per restart attempt gives every attempt its own namespace in the same store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                         timeout=timeout)
+    return dist.PrefixStore(f"spmd_rl/attempt_{attempt}", base)
 
 
 def _free_port() -> int:
