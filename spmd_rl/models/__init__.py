@@ -4,6 +4,7 @@
                                 tiny={"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 0})
     tok = load_tokenizer(folder)
     model = load_causal_lm(folder, dtype=torch.float32)       # on CPU, eval mode; caller moves it
+    rm = load_reward_model(rm_folder, dtype=torch.float32)    # sequence classifier, one output
     flops = model_flops_per_token(model.config, seq_len=512)  # for MFU
 
 Nothing here uses the network: a model is a local Hugging Face folder, or a built-in name that is
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
 from .builtin import (
-    BUILTIN_NAMES, SMOLLM2_NAME, TINY_NAME, TinyShape, cache_root, materialise_smollm2, materialise_tiny_random,
+    BUILTIN_NAMES, SMOLLM2_NAME, TINY_NAME, TINY_RM_NAME, TinyShape, cache_root, materialise_smollm2,
+    materialise_tiny_random, materialise_tiny_random_rm,
 )
 from .tokenizer import build_char_tokenizer, load_tokenizer
 
@@ -28,14 +30,17 @@ def resolve_model_path(path: str, *, cache_dir: str | None, tiny: dict | None = 
     """Return a local folder holding ``config.json``, weights and tokenizer for ``path``.
 
     ``path`` is a local Hugging Face folder or a built-in name (``smollm2-135m-instruct``,
-    ``tiny-random``). Built-ins are written once under ``cache_dir`` (default ``$SPMD_RL_CACHE`` or
-    ``~/.cache/spmd_rl``); concurrent callers (all ranks) are safe. ``tiny`` gives the
-    ``tiny-random`` shape: keys ``layers``, ``hidden``, ``heads``, ``kv_heads``, ``seed``.
+    ``tiny-random``, the reward model ``tiny-random-rm``). Built-ins are written once under
+    ``cache_dir`` (default ``$SPMD_RL_CACHE`` or ``~/.cache/spmd_rl``); concurrent callers (all
+    ranks) are safe. ``tiny`` gives the ``tiny-random(-rm)`` shape: keys ``layers``, ``hidden``,
+    ``heads``, ``kv_heads``, ``seed``.
     """
     if path == SMOLLM2_NAME:
         return str(materialise_smollm2(cache_root(cache_dir)))
     if path == TINY_NAME:
         return str(materialise_tiny_random(cache_root(cache_dir), TinyShape.from_dict(tiny)))
+    if path == TINY_RM_NAME:
+        return str(materialise_tiny_random_rm(cache_root(cache_dir), TinyShape.from_dict(tiny)))
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
         return str(folder.resolve())
@@ -61,6 +66,22 @@ def load_causal_lm(
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
     )
+    model.eval()
+    return model
+
+
+def load_reward_model(folder: str, *, dtype: torch.dtype, trust_remote_code: bool = False) -> PreTrainedModel:
+    """Load a sequence-classification reward model (one output per sequence) onto the CPU, in eval
+    mode with gradients off; ``ValueError`` when the folder's head does not give one score."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        folder, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
+    )
+    if model.config.num_labels != 1:
+        raise ValueError(
+            f"--reward.model.path {folder}: the model has num_labels={model.config.num_labels}; a reward "
+            "model gives one score per sequence (num_labels=1)"
+        )
+    model.requires_grad_(False)
     model.eval()
     return model
 
@@ -108,6 +129,6 @@ def model_flops_per_token(config: Any, *, seq_len: int) -> float:
 
 
 __all__ = [
-    "BUILTIN_NAMES", "SMOLLM2_NAME", "TINY_NAME", "build_char_tokenizer", "count_params", "load_causal_lm",
-    "load_tokenizer", "model_flops_per_token", "resolve_model_path",
+    "BUILTIN_NAMES", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "build_char_tokenizer", "count_params",
+    "load_causal_lm", "load_reward_model", "load_tokenizer", "model_flops_per_token", "resolve_model_path",
 ]

@@ -10,6 +10,9 @@ Used by :func:`spmd_rl.models.resolve_model_path`; no network is touched.
   tokenizer, so every later load is a plain ``from_pretrained(folder)``.
 * ``tiny-random`` is a tiny Llama-shaped model with deterministic random weights (from its seed) and
   the built-in character tokenizer; its folder name holds the shape and seed.
+* ``tiny-random-rm`` is the same shape as a sequence classifier with one output (a reward model,
+  ``LlamaForSequenceClassification``) sharing that tokenizer, so a tiny actor's token ids feed it
+  directly.
 
 Many ranks may resolve the same model at once (every rank of a node calls this). Building is
 serialised by an ``fcntl`` lock file next to the folder; the builder writes into a temporary
@@ -34,7 +37,8 @@ import torch
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 TINY_NAME = "tiny-random"
-BUILTIN_NAMES = (SMOLLM2_NAME, TINY_NAME)
+TINY_RM_NAME = "tiny-random-rm"
+BUILTIN_NAMES = (SMOLLM2_NAME, TINY_NAME, TINY_RM_NAME)
 MARKER = ".spmd_rl_complete"
 # Bump when what a builder writes changes, so stale caches are not reused.
 FORMAT_VERSION = 1
@@ -85,6 +89,8 @@ def materialise(target: Path, build: Callable[[Path], None], *, info: dict) -> P
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
             try:
                 build(tmp)
+                if not (tmp / "config.json").is_file():
+                    raise RuntimeError(f"building {target.name} wrote no config.json into {tmp}")
                 marker = dict(info, format_version=FORMAT_VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
                 (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
                 _make_readable(tmp)
@@ -95,6 +101,16 @@ def materialise(target: Path, build: Callable[[Path], None], *, info: dict) -> P
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     return target
+
+
+def save_model_here(model: torch.nn.Module, dst: Path) -> None:
+    """``model.save_pretrained(dst)`` on this process whatever its rank.
+
+    Once torch.distributed is initialised, transformers (>= 5) writes the weights and config only
+    on global rank 0, but a built-in is built by whichever rank took the lock first.
+    """
+    model.should_save_on_this_rank = lambda is_main_process: True  # type: ignore[method-assign]
+    model.save_pretrained(dst)
 
 
 # --------------------------------------------------------------------------- smollm2
@@ -148,7 +164,7 @@ def _build_smollm2(dst: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     _strip_quantization(model)
     model.config.name_or_path = SMOLLM2_NAME
-    model.save_pretrained(dst)
+    save_model_here(model, dst)
     tokenizer.save_pretrained(dst)
 
 
@@ -190,10 +206,13 @@ class TinyShape:
             raise ValueError(f"model.tiny_heads ({shape.heads}) must be divisible by model.tiny_kv_heads ({shape.kv_heads})")
         return shape
 
+    def folder_name_for(self, name: str) -> str:
+        return (f"{name}-l{self.layers}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}"
+                f"-s{self.seed}-v{FORMAT_VERSION}")
+
     @property
     def folder_name(self) -> str:
-        return (f"{TINY_NAME}-l{self.layers}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}"
-                f"-s{self.seed}-v{FORMAT_VERSION}")
+        return self.folder_name_for(TINY_NAME)
 
 
 def tiny_random_config(shape: TinyShape, vocab_size: int):
@@ -232,7 +251,7 @@ def _build_tiny_random(dst: Path, shape: TinyShape) -> None:
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
     )
     model.config.name_or_path = TINY_NAME
-    model.save_pretrained(dst)
+    save_model_here(model, dst)
     tokenizer.save_pretrained(dst)
 
 
@@ -242,7 +261,30 @@ def materialise_tiny_random(root: Path, shape: TinyShape) -> Path:
                        info={"source": TINY_NAME, "shape": dataclasses.asdict(shape)})
 
 
+def _build_tiny_random_rm(dst: Path, shape: TinyShape) -> None:
+    from transformers import LlamaForSequenceClassification
+
+    from .tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(model_max_length=512)
+    config = tiny_random_config(shape, vocab_size=len(tokenizer))
+    config.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(shape.seed)
+        model = LlamaForSequenceClassification(config)
+    model.config.name_or_path = TINY_RM_NAME
+    save_model_here(model, dst)
+    tokenizer.save_pretrained(dst)
+
+
+def materialise_tiny_random_rm(root: Path, shape: TinyShape) -> Path:
+    """Build (once) the tiny random reward model of ``shape`` into ``root/<name with shape and seed>``."""
+    return materialise(root / shape.folder_name_for(TINY_RM_NAME), lambda dst: _build_tiny_random_rm(dst, shape),
+                       info={"source": TINY_RM_NAME, "shape": dataclasses.asdict(shape)})
+
+
 __all__ = [
-    "BUILTIN_NAMES", "MARKER", "SMOLLM2_NAME", "TINY_NAME", "TinyShape", "cache_root", "is_complete",
-    "materialise", "materialise_smollm2", "materialise_tiny_random", "smollm2_gguf_path",
+    "BUILTIN_NAMES", "MARKER", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "TinyShape", "cache_root",
+    "is_complete", "materialise", "materialise_smollm2", "materialise_tiny_random", "materialise_tiny_random_rm",
+    "smollm2_gguf_path",
 ]

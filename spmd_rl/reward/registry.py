@@ -1,7 +1,8 @@
 """Build the run's scorer from ``reward.*`` and call it safely on a batch of completions.
 
 ``reward.fn`` picks the main scorer: ``auto`` (``math`` for arithmetic / file / gsm8k, ``countdown``
-for countdown), a built-in name (``math``, ``countdown``, ``format``) or a user function
+for countdown), a built-in name (``math``, ``countdown``, ``format``, ``none`` = 0 for every
+response, for a reward model alone) or a user function
 ``module:function`` (``module:Class.attr`` also works) importable from ``sys.path``, with the
 signature::
 
@@ -36,7 +37,13 @@ from spmd_rl.reward.math import math_reward
 
 ScoreFn = Callable[..., Any]
 
-BUILTIN: dict[str, ScoreFn] = {"math": math_reward, "countdown": countdown_reward, "format": format_reward}
+def no_reward(prompts: list[str], completions: list[str], **_: object) -> list[float]:
+    """Batch scorer ``reward.fn=none``: 0 for every completion (the reward model scores alone)."""
+    return [0.0] * len(completions)
+
+
+BUILTIN: dict[str, ScoreFn] = {"math": math_reward, "countdown": countdown_reward, "format": format_reward,
+                               "none": no_reward}
 AUTO: dict[str, str] = {"arithmetic": "math", "file": "math", "gsm8k": "math", "countdown": "countdown"}
 _EXCERPT = 80
 
@@ -55,6 +62,9 @@ class ScoreResult:
     """Format reward per completion when ``format_weight`` is not 0, else None."""
     main_scores: list[float]
     """The main scorer's score per completion, without the format bonus (0.0 where it failed)."""
+    model_scores: list[float] | None = None
+    """Reward-model score per completion when ``reward.model.path`` is set (already in ``scores``,
+    times ``reward.model.weight``), else None."""
 
 
 def _excerpt(text: Any) -> str:
