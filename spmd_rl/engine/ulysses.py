@@ -1,0 +1,172 @@
+"""Ulysses sequence parallelism and varlen attention for the FSDP engine, through transformers'
+attention interface (no model code is patched).
+
+    register_attention()                                   # once; adds ATTENTION_NAME to transformers
+    model = load_causal_lm(folder, ..., attn_implementation=ATTENTION_NAME)
+    check_heads(model.config, sp)                          # ValueError naming the numbers
+    spec = AttnSpec(mask=block_causal_mask(segment_ids), sp_group=group)   # per forward
+    out = model(input_ids=local_ids, position_ids=local_pos, spmd_attn=spec, ...)
+    logprobs = gather_sequence(local_logprobs, group, dim=1)
+
+The sp ranks of one group hold the same rows; each feeds the model its contiguous slice of the
+sequence dimension (``[R, W/k]``). Everything but attention is per token, so it runs on the slice
+as is; RoPE uses the sliced ``position_ids``. Inside attention, :func:`varlen_sdpa` all-to-alls
+q/k/v from sequence-sharded ``[R, H, W/k, D]`` to head-sharded ``[R, H/k, W, D]``, runs SDPA over
+whole sequences with the block-diagonal causal mask of the full rows, and all-to-alls back.
+
+Gradients. Each sp rank ends its forward with an all-gather of its slice's per-position
+log-probs (:func:`gather_sequence`), so every sp rank computes the same loss value from the same
+full tensor. The gather's backward keeps only the rank's own slice of the gradient (no sum):
+rank r back-propagates dL/d(slice r) through its graph, and the all-to-all's backward carries
+the parts that depend on other ranks' keys and values to those ranks. Summed over the sp group
+(FSDP sums gradients over every pool rank) that is dL/dθ exactly once; a sum in the gather's
+backward would count it k times. Token counts for the loss are therefore taken once per sp group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ATTENTION_NAME = "spmd_rl_varlen_sdpa"
+"""The ``attn_implementation`` name the engine loads models with when it needs sp or packing."""
+
+
+def check_heads(config: object, sp: int) -> None:
+    """Ulysses splits attention heads over the sp ranks: both head counts must divide by ``sp``."""
+    heads = int(getattr(config, "num_attention_heads"))
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    if heads % sp or kv_heads % sp:
+        raise ValueError(
+            f"actor.fsdp.ulysses_size ({sp}) must divide num_attention_heads ({heads}) and "
+            f"num_key_value_heads ({kv_heads}) of the model; choose a ulysses size that divides both"
+        )
+
+
+# --------------------------------------------------------------------------- collectives with autograd
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Chunk j of ``x`` along ``scatter_dim`` goes to sp rank j; the chunks received from ranks
+    0..k-1 are concatenated along ``gather_dim`` (so rank order = sequence / head order)."""
+    k = dist.get_world_size(group)
+    send = torch.stack(x.chunk(k, dim=scatter_dim)).contiguous()  # [k, ...chunk]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # the transpose of an exchange is the exchange with the roles of the dims swapped
+        return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[R, H, W/k, D]`` (my sequence slice, all heads) -> ``[R, H/k, W, D]`` (my heads, whole rows)."""
+    return _AllToAll.apply(x, group, 1, 2)
+
+
+def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Inverse of :func:`seq_to_heads`."""
+    return _AllToAll.apply(x, group, 2, 1)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.rank, ctx.k, ctx.dim = dist.get_rank(group), dist.get_world_size(group), dim
+        parts = [torch.empty_like(x) for _ in range(ctx.k)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # own slice only: every sp rank computes the same loss, see the module docstring
+        return grad.chunk(ctx.k, dim=ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """All-gather the sp slices of ``x`` along ``dim``; the backward keeps the local slice's gradient."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _GatherSequence.apply(x, group, dim)
+
+
+# --------------------------------------------------------------------------- the attention function
+
+
+@dataclass
+class AttnSpec:
+    """What :func:`varlen_sdpa` needs besides q/k/v, passed through the model as ``spmd_attn=``."""
+
+    mask: torch.Tensor
+    """``[R, 1, W, W]`` bool, True = may attend; over the FULL rows (not the sp slice)."""
+    sp_group: dist.ProcessGroup | None = None
+    """The Ulysses group; None without sequence parallelism."""
+
+
+def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """``[R, W]`` segment ids -> ``[R, 1, W, W]`` causal mask inside each segment.
+
+    A token attends to earlier-or-same tokens of its own segment. Padding (id -1) is a segment of
+    its own, so padded query rows still see themselves and SDPA never meets an all-masked row.
+    """
+    w = segment_ids.shape[-1]
+    causal = torch.ones(w, w, dtype=torch.bool, device=segment_ids.device).tril()
+    return ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal)[:, None]
+
+
+def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                spmd_attn: AttnSpec | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
+    """transformers attention function: q ``[R, H, S, D]``, k/v ``[R, Hkv, S, D]`` -> ``[R, S, H, D]``.
+
+    ``S`` is the local sequence slice under Ulysses (``W / k``), else the whole row ``W``.
+    """
+    if spmd_attn is None:
+        raise RuntimeError(
+            f"attn_implementation={ATTENTION_NAME!r} needs `spmd_attn=AttnSpec(...)` in the model call; "
+            "only the FSDP engine's forward provides it"
+        )
+    group = spmd_attn.sp_group
+    if group is not None:
+        query, key, value = seq_to_heads(query, group), seq_to_heads(key, group), seq_to_heads(value, group)
+    rep = query.shape[1] // key.shape[1]
+    if rep > 1:  # GQA: query head h reads kv head h // rep (also after the head split, see check_heads)
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=spmd_attn.mask,
+                                         dropout_p=dropout, scale=scaling)
+    if group is not None:
+        out = heads_to_seq(out, group)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def register_attention() -> None:
+    """Add :func:`varlen_sdpa` to transformers' ``AttentionInterface`` under :data:`ATTENTION_NAME`.
+
+    The name has no mask function in ``AttentionMaskInterface``, so the model builds no mask of
+    its own (its ``create_causal_mask`` returns None) and :class:`AttnSpec` carries ours.
+    """
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, varlen_sdpa)
+        _registered = True
+
+
+__all__ = ["ATTENTION_NAME", "AttnSpec", "block_causal_mask", "check_heads", "gather_sequence",
+           "heads_to_seq", "register_attention", "seq_to_heads", "varlen_sdpa"]
