@@ -185,7 +185,9 @@ class PoolExchange:
 
     Ending: each client sends ``stop`` when done, or ``abort`` with its error in its exception
     path (:meth:`close`); a server returns from :meth:`receive` at once on an abort, and with
-    ``stopped`` once every client has stopped. A server that fails answers with its error
+    ``stopped`` once every client has stopped. After an abort a server keeps answering late rows
+    with the error (``receive(drain=True)``) until every client is done, so that no client waits
+    on it. A server that fails answers with its error
     instead of results, and the client raises :class:`RemoteFailure`. Waits are bounded by the
     process group's timeout (``trainer.dist_timeout_s``); :meth:`close` by ``close_timeout_s``.
     """
@@ -250,27 +252,37 @@ class PoolExchange:
                 log.warning("could not tell rank %d to %s: %s", server, message[0], e)
 
     # ------------------------------------------------------------------ server side
-    def receive(self) -> Inbound:
+    def receive(self, *, drain: bool = False) -> Inbound:
         """The next round: rows from every client that has not stopped. Returns early when a
-        client aborts."""
-        self.seq += 1
+        client aborts. With ``drain`` (after an abort) returns after each single message, rows of
+        any round included, so that a late client can be answered at once."""
+        if not drain:
+            self.seq += 1
         inbound = Inbound(seq=self.seq)
-        while not any(m is not None for m in self._done.values()):
-            pending = [c for c in self.clients if c not in inbound.rows and c not in self._done]
-            if not pending:
+        aborts = sum(m is not None for m in self._done.values())
+        while not self.all_done:
+            if not drain and (sum(m is not None for m in self._done.values()) > aborts
+                              or all(c in inbound.rows or c in self._done for c in self.clients)):
                 break
             sender, (kind, seq, payload) = recv_object(None)
             if sender not in self.clients:
                 raise RuntimeError(f"rank {sender} is not a client of this exchange (clients {self.clients})")
             if kind == "rows":
-                if seq != self.seq:
+                if seq != self.seq and not drain:
                     raise RuntimeError(f"rank {sender} sent round {seq} while this server is at round {self.seq}")
                 inbound.rows[sender] = payload
             else:
                 self._done[sender] = payload if kind == "abort" else None
+            if drain:
+                break
         inbound.aborted = {c: m for c, m in self._done.items() if m is not None}
-        inbound.stopped = not inbound.aborted and len(self._done) == len(self.clients)
+        inbound.stopped = not inbound.aborted and self.all_done
         return inbound
+
+    @property
+    def all_done(self) -> bool:
+        """Every client has sent stop or abort."""
+        return len(self._done) == len(self.clients)
 
     def reply(self, inbound: Inbound, results: dict[int, list[Any]]) -> None:
         """Answer every client that sent rows this round with its results (one per row)."""
