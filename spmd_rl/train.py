@@ -2,7 +2,10 @@
 
 Also runs as a single process (``python -m spmd_rl.train``) and under ``srun`` (one task per GPU).
 Every process parses the same flags, validates the layout before any process group exists, joins
-the world and runs the same loop.
+the world and builds every pool's groups and meshes together. Then it runs the loop of its pool:
+the ``global`` pool's ranks the trainer, the ``reward`` pool's ranks (``pools.reward_ranks``) the
+reward-model server, until the trainer sends them ``stop`` (or ``abort`` with its error when it
+fails, so that no reward rank waits out the timeout).
 """
 
 from __future__ import annotations
@@ -23,22 +26,44 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(env.rank, env.hostname)
     try:
         cfg = load_config(argv)
-        dims.plan(cfg, env.world_size, env.local_world_size)  # every layout rule, before any group
+        plan = dims.plan(cfg, env.world_size, env.local_world_size)  # every layout rule, before any group
+        if cfg.pools.reward_ranks and cfg.reward.model.path is None:
+            raise ValueError(f"pools.reward_ranks={cfg.pools.reward_ranks} makes a reward pool, but reward.model.path "
+                             "is not set, so it would serve nothing: set --reward.model.path or --pools.reward_ranks 0")
     except (ValueError, FileNotFoundError) as e:
         if env.is_main:
             print(f"spmd_rl.train: invalid configuration: {e}", file=sys.stderr)
         return 2
     env.init(device=cfg.trainer.device, timeout_s=cfg.trainer.dist_timeout_s)
+    from spmd_rl.dist.world import build_run_groups
     from spmd_rl.trainer import Trainer  # heavy imports after the cheap checks
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
 
+    groups = build_run_groups(plan, env, close_timeout_s=min(60.0, cfg.trainer.dist_timeout_s))
+    if groups.in_reward_pool:
+        from spmd_rl.reward.server import serve_reward_pool
+
+        try:
+            return serve_reward_pool(rm=cfg.reward.model, cache_dir=cfg.model.cache_dir, device=env.device,
+                                     exchange=groups.exchange, group=groups.pools.get("reward").group,
+                                     mesh=groups.reward_mesh)
+        finally:
+            env.shutdown()
     trainer = None
+    error = None
     try:
-        trainer = Trainer(cfg, env)
+        trainer = Trainer(cfg, env, groups=groups)
         trainer.fit()
+    except BaseException as e:
+        error = f"{type(e).__name__}: {e}"
+        if groups.exchange is not None:  # logged before the reward pool is told, which may end the job
+            log.error("rank %d failed, stopping the reward pool: %s", env.rank, error)
+        raise
     finally:
+        if groups.exchange is not None:
+            groups.exchange.close(error)
         if trainer is not None:
             trainer.close()
         env.shutdown()
