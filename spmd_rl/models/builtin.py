@@ -63,7 +63,9 @@ def _make_readable(folder: Path) -> None:
 
 
 def is_complete(folder: Path) -> bool:
-    return (folder / MARKER).is_file()
+    # config.json too: a folder built under transformers 5 by a rank other than 0 before
+    # save_model_here existed got the marker but no weights; it is rebuilt.
+    return (folder / MARKER).is_file() and (folder / "config.json").is_file()
 
 
 def materialise(target: Path, build: Callable[[Path], None], *, info: dict) -> Path:
