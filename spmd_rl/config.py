@@ -188,9 +188,10 @@ class FsdpConfig:
     ulysses_size: int = 1
     """Ulysses sequence-parallel degree: the pool becomes `[dp, sp]` with sp ranks contiguous."""
     param_offload: bool = False
-    """Keep parameters on CPU between phases (moved to the device for each phase)."""
+    """Keep parameters (and gradients) on CPU between phases, moved to the device for each phase
+    (GPU runs; a no-op on CPU runs, where they already live in host memory)."""
     optimizer_offload: bool = False
-    """Keep optimizer state on CPU between updates."""
+    """Keep AdamW state on CPU between updates (GPU runs; a no-op on CPU runs)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3) instead of keeping them (ZeRO-2)."""
 
@@ -251,9 +252,18 @@ class ActorConfig:
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step (times `rollout.n` responses), over the whole world."""
     micro_batch_size: int = 8
-    """Responses per forward/backward per rank."""
+    """Responses per forward/backward per rank (ignored when `actor.max_tokens_per_gpu` is set)."""
     ppo_epochs: int = 1
     """Passes over the step's data."""
+    use_packing: bool = False
+    """Pack each micro-batch's sequences (prompt + response) without padding into rows with a
+    block-diagonal causal mask and per-sequence positions (SDPA, no flash-attn needed); same loss,
+    fewer wasted tokens. Applies to the actor's and the reference's forwards."""
+    max_tokens_per_gpu: int | None = None
+    """Dynamic micro-batches: rows grouped so each forward holds at most this many prompt + response
+    tokens per GPU (x `actor.fsdp.ulysses_size` per sequence-parallel group), balanced, with the
+    same micro-batch count on every rank; also used for the old and reference log-prob forwards.
+    Unset = `actor.micro_batch_size` rows per micro-batch."""
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     """FSDP2 engine layout and memory options."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -267,12 +277,15 @@ class ActorConfig:
         _check(self.ppo_mini_batch_size >= 1, f"actor.ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
         _check(self.micro_batch_size >= 1, f"actor.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         _check(self.ppo_epochs >= 1, f"actor.ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        _check(self.max_tokens_per_gpu is None or self.max_tokens_per_gpu >= 1,
+               f"actor.max_tokens_per_gpu must be >= 1 (or unset), got {self.max_tokens_per_gpu}")
 
 
 @dataclass(kw_only=True)
 class RefConfig:
     param_offload: bool = False
-    """Keep the frozen reference model on CPU between its forward passes."""
+    """Keep the frozen reference model on CPU between its forward passes (GPU runs; a no-op on
+    CPU runs). Independent of `actor.fsdp.param_offload`."""
     micro_batch_size: int = 16
     """Responses per reference forward per rank."""
 
@@ -309,22 +322,59 @@ class AlgoConfig:
 
 
 @dataclass(kw_only=True)
+class RewardModelConfig:
+    path: str | None = None
+    """Reward model (off when unset): a local Hugging Face folder of a sequence classifier with
+    one output (`AutoModelForSequenceClassification`, num_labels=1), or `tiny-random-rm` (a tiny
+    random Llama classifier sharing the `tiny-random` tokenizer, for tests). It runs on the
+    `reward` pool when `pools.reward_ranks` > 0, else on the global pool next to the actor."""
+    weight: float = 1.0
+    """Weight of the model score: total score = rule score (`reward.fn`) + weight * model score."""
+    micro_batch_size: int = 16
+    """Sequences per reward-model forward per rank."""
+    max_length: int = 1024
+    """Longest prompt + response in tokens; longer ones keep their last `max_length` tokens."""
+    param_offload: bool = False
+    """Keep the reward model's parameters on CPU between scoring calls (GPU only)."""
+    input: Literal["auto", "ids", "text"] = "auto"
+    """What the reward model reads: the actor's prompt + response token ids (`ids`), or the
+    prompt and completion text rendered with the reward model's own chat template (`text`);
+    `auto` takes ids when both tokenizers are the same, else text."""
+    trust_remote_code: bool = False
+    """Allow the reward model folder to run its own Python code."""
+    tiny_seed: int = 0
+    """`tiny-random-rm` only: seed of the random initialisation."""
+
+    def __post_init__(self) -> None:
+        _check(self.micro_batch_size >= 1, f"reward.model.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        _check(self.max_length >= 2, f"reward.model.max_length must be >= 2, got {self.max_length}")
+
+
+@dataclass(kw_only=True)
 class RewardConfig:
     fn: str = "auto"
     """Scorer: `auto` (the task's own: math answer check, or countdown), a built-in name
-    (`math`, `countdown`, `format`), or a user function `module:function` with the signature
-    `fn(prompts, completions, **columns) -> list[float]`."""
+    (`math`, `countdown`, `format`), `none` (0 for every response: the reward model alone), or a
+    user function `module:function` with the signature `fn(prompts, completions, **columns) ->
+    list[float]`."""
     format_weight: float = 0.0
     """Weight of the answer-format reward added to the main score."""
     on_error: Literal["raise", "skip"] = "raise"
     """A scorer that raises or returns NaN: stop with an error naming the sample (`raise`), or
     score it 0 and count it in reward/errors (`skip`)."""
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Reward model scored on every response and added to the rule score."""
+
+    def __post_init__(self) -> None:
+        _check(self.fn.strip() != "none" or self.model.path is not None,
+               "reward.fn=none scores every response 0: set --reward.model.path to use a reward model alone")
 
 
 @dataclass(kw_only=True)
 class PoolsConfig:
     reward_ranks: int = 0
-    """Put the last N ranks of the world in their own `reward` pool (0 = all colocated)."""
+    """Put the last N ranks of the world in their own `reward` pool, serving `reward.model.path`
+    (0 = all colocated). Its ranks wait for each step's responses at most `trainer.dist_timeout_s`."""
 
     def __post_init__(self) -> None:
         _check(self.reward_ranks >= 0, f"pools.reward_ranks must be >= 0, got {self.reward_ranks}")
@@ -409,6 +459,14 @@ class Config:
             self.actor.ppo_mini_batch_size < 1 or self.data.train_batch_size % self.actor.ppo_mini_batch_size == 0,
             f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must divide "
             f"data.train_batch_size ({self.data.train_batch_size})",
+        )
+        budget, longest = self.actor.max_tokens_per_gpu, self.data.max_prompt_length + self.rollout.max_new_tokens
+        sp = self.actor.fsdp.ulysses_size
+        _check(
+            budget is None or budget * sp >= longest,
+            f"actor.max_tokens_per_gpu ({budget}) * actor.fsdp.ulysses_size ({sp}) must be >= "
+            f"data.max_prompt_length ({self.data.max_prompt_length}) + rollout.max_new_tokens "
+            f"({self.rollout.max_new_tokens}) = {longest}, the longest sequence",
         )
 
 
@@ -536,5 +594,5 @@ def _combined_type(extra: type) -> type:
 __all__ = [
     "ActorConfig", "AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "FsdpConfig",
     "LoggingConfig", "MegatronConfig", "ModelConfig", "PoolsConfig", "RefConfig", "RewardConfig",
-    "RolloutConfig", "TrainerConfig", "from_yaml", "load_config", "to_dict", "to_yaml", "validate",
+    "RewardModelConfig", "RolloutConfig", "TrainerConfig", "from_yaml", "load_config", "to_dict", "to_yaml", "validate",
 ]

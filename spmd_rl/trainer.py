@@ -1,6 +1,6 @@
 """The GRPO trainer: the seven stages of one step, in lockstep on every rank.
 
-    trainer = Trainer(cfg, env)      # builds pools, meshes, engines, data, reward
+    trainer = Trainer(cfg, env, groups=build_run_groups(plan, env))   # engines, data, reward
     trainer.fit()
 
 Rank 0 is the controller inside the same loop: it draws the step's prompts and logs. Everything
@@ -10,7 +10,8 @@ else is symmetric. Per step:
              rollout data-parallel rank takes a contiguous slice (tp ranks of a group share one);
 2. rollout   the rollout engine receives the actor's weights if they changed (hot-swap), generates
              ``rollout.n`` responses per prompt, sleeps;
-3. reward    each rank scores the responses it holds;
+3. reward    each rank scores the responses it holds: rules, plus the reward model (colocated, or
+             a round trip to the reward pool when ``pools.reward_ranks`` > 0);
 4. old       actor log-probs before the update (only when a step makes several optimizer steps);
 5. ref       frozen reference log-probs (when the KL loss is on);
 6. adv       group advantages, local since all n responses of a prompt are on one rank;
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.algo.objective import actor_objective, compute_advantages
+from spmd_rl.checkpoint import Checkpointer
 from spmd_rl.config import Config, to_dict, to_yaml
 from spmd_rl.data import build_prompts
 from spmd_rl.data.batch import RolloutBatch
@@ -37,12 +39,12 @@ from spmd_rl.data.prompts import render_prompts
 from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.dist import dims
 from spmd_rl.dist.comm import all_gather_objects, broadcast_object, fail_together, relayout
-from spmd_rl.dist.env import DistEnv, format_rank_table, gather_rank_table
-from spmd_rl.dist.pools import Pools
+from spmd_rl.dist.env import DistEnv, format_rank_table
+from spmd_rl.dist.world import RunGroups, build_run_groups
 from spmd_rl.engine.fsdp import FSDPEngine
 from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, peak_flops
 from spmd_rl.models import load_tokenizer, model_flops_per_token, resolve_model_path
-from spmd_rl.reward import build_scorer
+from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout
 
 log = logging.getLogger("spmd_rl")
@@ -60,19 +62,14 @@ class StageTimer:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: DistEnv) -> None:
+    def __init__(self, cfg: Config, env: DistEnv, groups: RunGroups | None = None) -> None:
+        """``groups``: the run's pools and meshes, built on every rank of the world (by
+        ``spmd_rl.train``, before the reward ranks go to their own loop); built here when None."""
         self.cfg = cfg
         self.env = env
-        self.plan = dims.plan(cfg, env.world_size, env.local_world_size)
-        if cfg.pools.reward_ranks:
-            raise ValueError(
-                f"pools.reward_ranks={cfg.pools.reward_ranks}: a separate reward pool serves a reward "
-                "model, and model-based rewards are not supported yet; use --pools.reward_ranks 0"
-            )
+        self.plan = dims.plan(cfg, env.world_size, env.local_world_size) if groups is None else groups.plan
         if cfg.actor.engine != "fsdp":
             raise ValueError("actor.engine=megatron is not supported yet; use --actor.engine fsdp")
-        if cfg.actor.fsdp.ulysses_size > 1:
-            raise ValueError("actor.fsdp.ulysses_size > 1 is not supported yet; use --actor.fsdp.ulysses_size 1")
         if cfg.rollout.backend != "native":
             raise ValueError("rollout.backend=vllm is not supported yet; use --rollout.backend native")
         if cfg.rollout.tp * cfg.rollout.pp > 1:
@@ -80,14 +77,17 @@ class Trainer:
                 f"rollout.tp ({cfg.rollout.tp}) * rollout.pp ({cfg.rollout.pp}) > 1 needs a sharded rollout "
                 "engine; the native engine holds a whole model per rank: use --rollout.tp 1 --rollout.pp 1"
             )
-        self.pools = Pools.build(self.plan.pools)
+        groups = groups or build_run_groups(self.plan, env)
+        self.pools = groups.pools
         self.pool = self.pools.get("global")
         self.group = self.pool.group
-        pool_ranks = {r: {spec.name: spec.local_rank(r) for spec in self.plan.pools if spec.contains(r)}
-                      for r in range(env.world_size)}
-        rows = gather_rank_table(env, pool_ranks)
+        rows = groups.rank_table
+        # Picks the checkpoint to resume from (and trims metrics.jsonl) before the sink opens it.
+        self.checkpointer = Checkpointer(checkpoint=cfg.checkpoint, output_dir=cfg.trainer.output_dir,
+                                         total_steps=cfg.trainer.total_steps, rank_table=rows,
+                                         config=to_dict(cfg), device=env.device, group=self.group)
         self.sink = RunSink(logging_cfg=cfg.logging, output_dir=cfg.trainer.output_dir,
-                            total_steps=cfg.trainer.total_steps, start_step=0,
+                            total_steps=cfg.trainer.total_steps, start_step=self.checkpointer.start_step,
                             config_dict=to_dict(cfg)) if env.is_main else NullSink()
         self.sink.info("rank table\n" + format_rank_table(rows))
         if env.is_main:
@@ -106,8 +106,10 @@ class Trainer:
                 train, self.tokenizer, system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
             self.val_samples, self.val_ids, val_dropped = render_prompts(
                 val, self.tokenizer, system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
-            self.scorer = build_scorer(fn=cfg.reward.fn, task=cfg.data.task, format_weight=cfg.reward.format_weight,
-                                       on_error=cfg.reward.on_error)
+            self.reward = build_run_reward(
+                reward=cfg.reward, task=cfg.data.task, system_prompt=cfg.data.system_prompt,
+                actor_tokenizer=self.tokenizer, group=self.group, mesh=groups.actor_mesh, exchange=groups.exchange,
+                device=env.device, cache_dir=cfg.model.cache_dir)
         if dropped or val_dropped:
             self.sink.info(f"dropped {dropped} training and {val_dropped} validation prompts longer than "
                            f"data.max_prompt_length={cfg.data.max_prompt_length} tokens")
@@ -118,29 +120,29 @@ class Trainer:
         self.eos_ids = _eos_ids(self.tokenizer)
         self.sampler = PromptSampler(len(self.train_samples), cfg.data.train_batch_size, cfg.data.seed)
 
-        # Engines. Rollout is (dp, tp=1, pp=1) over the pool, and the FSDP actor's data-parallel
-        # ranks are the pool ranks in the same order, so the batch needs no re-layout today; the
-        # relayout call below is where a differing actor layout gets its rows.
+        # Engines. Rollout is (dp, tp=1, pp=1) over the pool; the actor's data-parallel ranks are
+        # the Ulysses dp coordinates (pool rank // ulysses_size), so with sp > 1 the relayout in
+        # fit() hands every sp rank of a dp group the same rows (identity when sp == 1).
         torch.manual_seed(cfg.trainer.seed)
         dev = env.device
         self.mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
         self.updates_per_step = self.mini_batches * cfg.actor.ppo_epochs
-        mesh = self.plan.fsdp.build(dev.type, start=self.pool.spec.start)
+        mesh = groups.actor_mesh
+        layout = dict(group=self.group, sp_group=groups.sp_group, use_packing=cfg.actor.use_packing,
+                      max_tokens_per_gpu=cfg.actor.max_tokens_per_gpu)
         self.actor = FSDPEngine(
             model_folder=self.model_folder, mesh=mesh, device=dev, fsdp=cfg.actor.fsdp, actor=cfg.actor,
             total_updates=cfg.trainer.total_steps * self.updates_per_step, trainable=True,
             gradient_checkpointing=cfg.model.gradient_checkpointing,
-            trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id,
+            trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id, **layout,
         )
         self.ref = None
         if cfg.algo.use_kl_loss:
             self.ref = FSDPEngine(
                 model_folder=self.model_folder, mesh=mesh, device=dev, fsdp=cfg.actor.fsdp, trainable=False,
                 trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id,
+                param_offload=cfg.ref.param_offload, **layout,
             )
-            if cfg.ref.param_offload:
-                self.ref.param_offload = True
-                self.ref.offload()
         self.rollout = build_rollout(
             cfg.rollout.backend, model_folder=self.model_folder, device=dev,
             dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
@@ -152,16 +154,23 @@ class Trainer:
         self.rollout_dp_size = self.plan.rollout_dp_size
         self.actor_dp = self.plan.actor_dp_rank(self.pool.rank)
         self.actor_dp_size = self.plan.actor_dp_size
+        # The sp ranks of a dp group hold the same rows: only sp rank 0 adds them to sums over the
+        # pool (token counts for the loss, summed metrics); weighted means are unaffected.
+        self.sum_weight = 1.0 if self.plan.ulysses.coords(self.pool.rank)["sp"] == 0 else 0.0
         self.flops_per_token = model_flops_per_token(
             self.actor.config, seq_len=cfg.data.max_prompt_length // 2 + cfg.rollout.max_new_tokens)
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.step = 0
+        self.checkpointer.track(model_folder=self.model_folder, actor=self.actor, sampler=self.sampler)
 
     # ================================================================== the loop
     def fit(self) -> dict[str, float]:
         cfg = self.cfg.trainer
         last: dict[str, float] = {}
-        if cfg.val_every:
+        self.step = self.checkpointer.resume()
+        # Resumed actor weights differ from the rollout's base copy: hot-swap before generating.
+        self.weights_stale = self.step > 0
+        if cfg.val_every and self.step == 0:  # a resumed run validated this step before saving it
             self.sink.log(self.validate(), self.step)
         while self.step < cfg.total_steps:
             self.step += 1
@@ -187,6 +196,7 @@ class Trainer:
                 val = self.validate()
                 self.sink.log(val, self.step)
                 last.update(val)
+            self.checkpointer.maybe_save(self.step)
         return last
 
     # ================================================================== stages
@@ -240,12 +250,9 @@ class Trainer:
 
     def score(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
         samples = [self.train_samples[i] for i in batch.extras["sample"]]
-        completions = self.tokenizer.batch_decode(
-            [ids[mask.bool()].tolist() for ids, mask in zip(batch["response_ids"], batch["response_mask"])],
-            skip_special_tokens=True,
-        )
-        with fail_together(group=self.group, what="reward scoring"):
-            result = self.scorer([s.prompt for s in samples], completions, _columns(samples))
+        responses = [ids[mask.bool()].tolist() for ids, mask in zip(batch["response_ids"], batch["response_mask"])]
+        completions = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        result = self.reward(samples, completions, batch.prompts, responses)
         scores = torch.tensor(result.scores, dtype=torch.float32)
         batch["scores"] = scores
         batch.extras["completion"] = completions
@@ -254,6 +261,10 @@ class Trainer:
         acc.add_max("critic/score/max", scores.max().item())
         acc.add_min("critic/score/min", scores.min().item())
         acc.add_sum("reward/errors", result.num_errors)
+        if result.model_scores is not None:  # the two parts of critic/score: rule + weight * model
+            for total, model in zip(result.scores, result.model_scores):
+                acc.add("reward/model_score/mean", model)
+                acc.add("reward/rule_score/mean", total - self.cfg.reward.model.weight * model)
 
     def old_logprobs(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
         # On-policy with a single optimizer step per batch, the update's own log-probs (detached)
@@ -285,7 +296,8 @@ class Trainer:
         device = self.env.device
         for _epoch in range(cfg.actor.ppo_epochs):
             for mini in batch.chunks(self.mini_batches):
-                counts = torch.tensor([mini["response_mask"].sum().item(), float(len(mini))], dtype=torch.float64)
+                counts = torch.tensor([mini["response_mask"].sum().item(), float(len(mini))],
+                                      dtype=torch.float64) * self.sum_weight
                 if dist.get_world_size(self.group) > 1:
                     dist.all_reduce(counts, group=self.group)
                 global_tokens, global_seqs = counts.tolist()
@@ -301,23 +313,24 @@ class Trainer:
                     tokens = mask.sum().item()
                     for key, value in metrics.items():
                         if key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
-                            acc.add_sum(key, value.item() / self.updates_per_step)  # globally normalised parts
+                            acc.add_sum(key, value.item() * self.sum_weight / self.updates_per_step)  # global parts
                         else:
                             acc.add(key, value.item(), tokens)
                     return loss, metrics
 
                 stats = self.actor.train_mini_batch(
-                    list(mini.split(cfg.actor.micro_batch_size)), loss_fn,
+                    self.actor.micro_batches(mini, micro_batch_size=cfg.actor.micro_batch_size), loss_fn,
                     temperature=self.temperature, need_entropy_grad=cfg.algo.entropy_coef > 0)
                 # grad_norm and lr are identical on every rank; weight 1 per rank keeps the mean exact.
                 acc.add("actor/grad_norm", stats["grad_norm"])
                 acc.add("actor/lr", stats["lr"])
+        self.actor.offload()  # params / optimizer state to CPU if configured (no-op on CPU runs)
         self.weights_stale = True
 
     # ================================================================== metrics, validation
     def finish_step(self, batch: RolloutBatch, acc: MetricAccumulator, timer: StageTimer) -> dict[str, float]:
         mask = batch["response_mask"]
-        acc.add_sum("perf/total_tokens", mask.sum().item() + sum(len(p) for p in batch.prompts))
+        acc.add_sum("perf/total_tokens", (mask.sum().item() + sum(len(p) for p in batch.prompts)) * self.sum_weight)
         metrics = acc.reduce(self.group)
         for name, seconds in timer.seconds.items():
             metrics[f"timing_s/{name}"] = seconds  # the loop is lockstep: rank 0's clock speaks for all
@@ -342,22 +355,17 @@ class Trainer:
         share = math.ceil(len(self.val_samples) / self.rollout_dp_size)
         mine = list(range(self.rollout_dp * share, min((self.rollout_dp + 1) * share, len(self.val_samples))))
         self.rollout.wake_up()
-        results: list[tuple[float, float]] = []
+        prompt_ids = [self.val_ids[i] for i in mine]
+        responses: list[list[int]] = []
         if mine:
             out = self.rollout.generate(
-                [self.val_ids[i] for i in mine], n=1, temperature=self.cfg.rollout.val_temperature,
+                prompt_ids, n=1, temperature=self.cfg.rollout.val_temperature,
                 top_p=1.0, top_k=0, max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)
-            texts = self.tokenizer.batch_decode(
-                [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)],
-                skip_special_tokens=True)
-            samples = [self.val_samples[i] for i in mine]
-            with fail_together(group=self.group, what="validation scoring"):
-                result = self.scorer([s.prompt for s in samples], texts, _columns(samples))
-            main = result.main_scores
-            results = [(float(s), float(m >= 1.0 - 1e-6)) for s, m in zip(result.scores, main)]
-        else:
-            with fail_together(group=self.group, what="validation scoring"):
-                pass
+            responses = [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)]
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True) if responses else []  # [] -> ['']
+        # every rank scores, also with no prompts: scoring is collective (fail_together, reward model)
+        result = self.reward([self.val_samples[i] for i in mine], texts, prompt_ids, responses)
+        results = [(float(s), float(m >= 1.0 - 1e-6)) for s, m in zip(result.scores, result.main_scores)]
         self.rollout.sleep(self.cfg.rollout.sleep_level)
         gathered = [r for part in all_gather_objects(results, self.group) for r in part]
         return {
@@ -368,12 +376,6 @@ class Trainer:
     def close(self) -> None:
         self.sink.close()
         self.rollout.close()
-
-
-def _columns(samples: list) -> dict[str, list]:
-    from spmd_rl.data.tasks import columns_of
-
-    return columns_of(samples)
 
 
 def _eos_ids(tokenizer) -> list[int]:

@@ -47,6 +47,7 @@ RULES = [
     (["--actor.ppo-mini-batch-size", "0"], "actor.ppo_mini_batch_size must be >= 1, got 0"),
     (["--actor.micro-batch-size", "0"], "actor.micro_batch_size must be >= 1, got 0"),
     (["--actor.ppo-epochs", "0"], "actor.ppo_epochs must be >= 1, got 0"),
+    (["--actor.max-tokens-per-gpu", "0"], "actor.max_tokens_per_gpu must be >= 1 (or unset), got 0"),
     (["--algo.clip-low", "-0.1"], "algo.clip_low (-0.1) and algo.clip_high (0.2) must be >= 0"),
     (["--algo.clip-c", "1"], "algo.clip_c must be > 1, got 1.0"),
     (["--algo.kl-coef", "-1"], "algo.kl_coef must be >= 0, got -1.0"),
@@ -60,6 +61,10 @@ RULES = [
      "actor.ppo_mini_batch_size (16) must be <= data.train_batch_size (8)"),
     (["--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "3"],
      "actor.ppo_mini_batch_size (3) must divide data.train_batch_size (8)"),
+    (["--actor.max-tokens-per-gpu", "300", "--actor.fsdp.ulysses-size", "2", "--data.max-prompt-length", "512",
+      "--rollout.max-new-tokens", "256"],
+     "actor.max_tokens_per_gpu (300) * actor.fsdp.ulysses_size (2) must be >= data.max_prompt_length (512) + "
+     "rollout.max_new_tokens (256) = 768, the longest sequence"),
 ]
 
 

@@ -3,9 +3,12 @@
     engine = FSDPEngine(model_folder=..., mesh=plan.fsdp.build(...), device=env.device,
                         actor=cfg.actor, total_updates=..., trainable=True)
     logprobs, entropy = engine.compute_logprobs(batch, temperature=1.0, micro_batch_size=8)
+    micro_batches = engine.micro_batches(mini_batch, micro_batch_size=8)   # fixed or token budget
     metrics = engine.train_mini_batch(micro_batches, loss_fn, temperature=1.0)
     for name, tensor in engine.named_full_tensors():   # hot-swap into the rollout engine
         ...
+    state = engine.state_dict()                         # sharded, for torch.distributed.checkpoint
+    engine.load_state_dict(state)
 
 Every decoder layer is its own FSDP unit and the root holds embeddings, final norm and head. The
 mesh is ``[fsdp]`` (ZeRO-3 over the pool) or ``[ddp, fsdp]`` (HSDP). Gradients are SUMMED across
@@ -13,6 +16,12 @@ ranks (divide factor 1): the trainer divides each micro-batch loss by the global
 sequence) count of the data-parallel mini-batch, so the sum is the exact global mean and FSDP must
 not average a second time. On GPU parameters are kept in fp32 and computed in bf16 with fp32
 gradient reduction; on CPU everything is fp32.
+
+Ulysses sequence parallelism (``sp_group``), packed sequences (``use_packing``) and token-budget
+micro-batches (``max_tokens_per_gpu``) live in :mod:`spmd_rl.engine.ulysses` and
+:mod:`spmd_rl.engine.packing`; with sp or packing the model runs our varlen SDPA attention
+function, otherwise transformers' stock SDPA. Every forward returns ``[B, T]`` response log-probs
+whatever the layout, so loss functions never see it.
 """
 
 from __future__ import annotations
@@ -23,12 +32,14 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from spmd_rl.algo.losses import entropy_from_logits, logprobs_from_logits
 from spmd_rl.config import ActorConfig, FsdpConfig
 from spmd_rl.data.batch import RolloutBatch
+from spmd_rl.engine import packing, ulysses
 from spmd_rl.models import load_causal_lm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, RolloutBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -73,19 +84,44 @@ class FSDPEngine:
         gradient_checkpointing: bool = False,
         trust_remote_code: bool = False,
         pad_token_id: int = 0,
+        group: dist.ProcessGroup | None = None,
+        sp_group: dist.ProcessGroup | None = None,
+        use_packing: bool = False,
+        max_tokens_per_gpu: int | None = None,
+        param_offload: bool | None = None,
     ) -> None:
+        """``group``: every rank running this engine in lockstep (the pool; None = the world);
+        dynamic micro-batch counts are agreed over it. ``sp_group``: this rank's Ulysses group
+        (None or size 1 = off). ``param_offload`` overrides ``fsdp.param_offload`` (the reference
+        engine follows ``ref.param_offload``)."""
         if trainable and actor is None:
             raise ValueError("a trainable FSDPEngine needs the actor config section")
         self.device = device
         self.mesh = mesh
         self.trainable = trainable
         self.pad_token_id = pad_token_id
-        self.param_offload = fsdp.param_offload
+        self.param_offload = fsdp.param_offload if param_offload is None else param_offload
         self.optimizer_offload = fsdp.optimizer_offload
         self.on_gpu = device.type == "cuda"
+        self._params_on_device = self._optimizer_on_device = True
+        self.group = group
+        self.sp_size = dist.get_world_size(sp_group) if sp_group is not None else 1
+        self.sp_group = sp_group if self.sp_size > 1 else None
+        self.sp_rank = dist.get_rank(sp_group) if self.sp_group is not None else 0
+        self.use_packing = use_packing
+        self.max_tokens_per_gpu = max_tokens_per_gpu
+        # stock SDPA cannot see whole sequences from a slice, nor segments inside a packed row
+        self.varlen_attention = self.sp_group is not None or use_packing
 
-        model = load_causal_lm(model_folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        if self.varlen_attention:
+            ulysses.register_attention()
+        model = load_causal_lm(model_folder, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                               attn_implementation=ulysses.ATTENTION_NAME if self.varlen_attention else "sdpa")
+        if self.sp_group is not None:
+            ulysses.check_heads(model.config, self.sp_size)
         model.config.use_cache = False
+        self._head = _HeadInputs()  # a separate object: a bound-method hook would tie model and engine in a cycle
+        model.get_output_embeddings().register_forward_pre_hook(self._head)
         if gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
@@ -121,56 +157,97 @@ class FSDPEngine:
                 lambda s: lr_lambda(s, warmup=actor.warmup_steps, total=total_updates,
                                     schedule=actor.lr_schedule, min_ratio=actor.min_lr_ratio),
             )
-        if self.param_offload:
-            self.offload()
+        self.offload()
 
     # ------------------------------------------------------------------ forward
     def _forward(self, micro: RolloutBatch, temperature: float, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response log-probs; ``entropy`` is "none", "detached" (for metrics) or "grad" (for a bonus)."""
-        inputs = micro.model_inputs(self.pad_token_id, self.device)
-        t = inputs.response_len
-        out = self.model(
-            input_ids=inputs.input_ids,
-            attention_mask=inputs.attention_mask,
-            position_ids=inputs.position_ids,
-            use_cache=False,
-            logits_to_keep=t + 1,
-        )
-        logits = out.logits[:, :-1, :].float()
+        """Response log-probs ``[B, T]`` (0 where the response mask is 0); ``entropy`` is "none",
+        "detached" (for metrics) or "grad" (for a bonus).
+
+        The micro-batch becomes a ``[R, W]`` grid (padded or packed); under Ulysses this rank
+        feeds the model columns ``[lo, lo + W/k)`` and computes log-probs for the positions of its
+        slice, which are then all-gathered over the sp group (gradient: own slice only). The head
+        runs only on positions that predict a valid response token (see :class:`_HeadInputs`).
+        """
+        flat = packing.flatten(micro, pad_token_id=self.pad_token_id, packed=self.use_packing, multiple=self.sp_size)
+        width = flat.width // self.sp_size
+        lo = self.sp_rank * width
+        valid = micro["response_mask"].cpu().bool()
+        pos_rows, pos_cols = flat.target_rows[valid], flat.target_cols[valid]
+        mine = (pos_cols >= lo) & (pos_cols < lo + width)
+        dev = self.device
+        sel = (pos_rows[mine].to(dev), (pos_cols[mine] - lo).to(dev))  # in this rank's [R, W/k] slice
+        extra: dict[str, object] = {}
+        if self.varlen_attention:
+            extra["spmd_attn"] = ulysses.AttnSpec(mask=ulysses.block_causal_mask(flat.segment_ids.to(dev)),
+                                                  sp_group=self.sp_group)  # [R, 1, W, W], built on the device
+            attention_mask = None
+        else:
+            attention_mask = flat.attention_mask.to(dev)
+        self._head.positions = sel
+        try:
+            out = self.model(
+                input_ids=flat.input_ids[:, lo:lo + width].to(dev),
+                attention_mask=attention_mask,
+                position_ids=flat.position_ids[:, lo:lo + width].to(dev),
+                use_cache=False,
+                **extra,
+            )
+        finally:
+            self._head.positions = None
+        logits = out.logits[0].float()  # [N, V]: one row per selected position
         if temperature > 0 and temperature != 1.0:
             logits = logits / temperature
-        response_ids = micro["response_ids"].to(self.device)
-        logprobs = logprobs_from_logits(logits, response_ids)
+        labels = flat.labels[:, lo:lo + width].to(dev)[sel]
+        mask = micro["response_mask"].to(dev)
+        rows, cols = flat.target_rows.to(dev), flat.target_cols.to(dev)
+
+        def to_responses(values: torch.Tensor) -> torch.Tensor:  # [N] -> [B, T]
+            local = values.new_zeros(flat.input_ids.shape[0], width).index_put(sel, values)
+            full = ulysses.gather_sequence(local, self.sp_group, dim=1)
+            return full[rows, cols] * mask
+
+        logprobs = to_responses(logprobs_from_logits(logits, labels))
         if entropy == "grad":
-            return logprobs, entropy_from_logits(logits)
+            return logprobs, to_responses(entropy_from_logits(logits))
         if entropy == "detached":
             with torch.no_grad():
-                return logprobs, entropy_from_logits(logits.detach())
+                return logprobs, to_responses(entropy_from_logits(logits.detach()))
         return logprobs, None
+
+    def micro_batches(self, batch: RolloutBatch, *, micro_batch_size: int) -> list[RolloutBatch]:
+        """Split ``batch`` into micro-batches: ``micro_batch_size`` rows each, or, with
+        ``max_tokens_per_gpu``, token-budget groups (budget x sp degree per sp group). Every rank
+        of ``group`` gets the same count (collective when dynamic)."""
+        return [batch.select(rows) for rows in self._micro_rows(batch, micro_batch_size)]
+
+    def _micro_rows(self, batch: RolloutBatch, micro_batch_size: int) -> list[list[int]]:
+        budget = None if self.max_tokens_per_gpu is None else self.max_tokens_per_gpu * self.sp_size
+        return packing.micro_batch_rows(packing.row_tokens(batch), micro_batch_size=micro_batch_size,
+                                        max_tokens=budget, group=self.group)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: RolloutBatch, *, temperature: float, micro_batch_size: int,
                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs ``[B, T]`` (and entropy) of the batch's responses, in micro-batches.
+        """Log-probs ``[B, T]`` (and entropy) of the batch's responses, in micro-batches, in row order.
 
-        Every rank of the mesh must call this with the same number of micro-batches (FSDP
-        all-gathers parameters per layer), which the trainer's equal row counts guarantee.
+        Every rank of the mesh must call this (FSDP all-gathers parameters per layer); the
+        micro-batch count is the same on every rank (see :meth:`micro_batches`).
         """
         self.onload()
         was_training = self.model.training
         self.model.eval()
-        logprobs, entropies = [], []
-        for micro in batch.split(micro_batch_size):
-            lp, ent = self._forward(micro, temperature, "detached" if with_entropy else "none")
-            mask = micro["response_mask"].to(lp.device)
-            logprobs.append(lp * mask)
-            if ent is not None:
-                entropies.append(ent * mask)
+        logprobs = torch.zeros(len(batch), batch.response_len, device=self.device)
+        entropies = torch.zeros_like(logprobs) if with_entropy else None
+        for rows in self._micro_rows(batch, micro_batch_size):
+            lp, ent = self._forward(batch.select(rows), temperature, "detached" if with_entropy else "none")
+            index = torch.tensor(rows, device=self.device)
+            logprobs[index] = lp
+            if entropies is not None and ent is not None:
+                entropies[index] = ent
         self.model.train(was_training)
-        if self.param_offload:
-            self.offload()
-        lp_all = torch.cat(logprobs) if logprobs else torch.zeros(0, batch.response_len)
-        return lp_all, (torch.cat(entropies) if entropies else None)
+        self.offload()
+        return logprobs, entropies
 
     # ------------------------------------------------------------------ update
     def train_mini_batch(self, micro_batches: list[RolloutBatch], loss_fn: LossFn, *, temperature: float,
@@ -181,6 +258,7 @@ class FSDPEngine:
         micro-batches on all ranks add up to the mini-batch objective.
         """
         assert self.optimizer is not None and self.scheduler is not None, "reference engine cannot train"
+        self.onload(optimizer=True)  # the caller calls offload() after its last mini-batch
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         for micro in micro_batches:
@@ -221,32 +299,91 @@ class FSDPEngine:
         for name, param in self.model.named_parameters():
             tensor = param.full_tensor() if isinstance(param, DTensor) else param
             yield name, (tensor.to(dtype) if dtype is not None else tensor)
-        if self.param_offload:
-            self.offload()
+        self.offload()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, object]:
+        """``{"model", "optimizer", "scheduler"}`` for ``torch.distributed.checkpoint``.
+
+        Model and optimizer entries are this rank's DTensor shards under HF parameter names (no
+        gather), so DCP can reload them on another world size or mesh. A trainable engine whose
+        optimizer has not stepped yet gets its state created first (a zero-lr step, weights
+        unchanged) so that a load has tensors to fill. The reference engine has only ``model``.
+        Tensors stay where they are (offloaded ones on the CPU); DCP writes them from there.
+        """
+        options = StateDictOptions(full_state_dict=False, cpu_offload=False)
+        if self.optimizer is not None and not self.optimizer.state:
+            self.onload(optimizer=True)  # that zero-lr step runs where parameters and state meet
+        if self.optimizer is None:
+            model_sd, _ = get_state_dict(self.model, [], options=options)
+            return {"model": model_sd}
+        assert self.scheduler is not None
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore what :meth:`state_dict` returned (after DCP filled it in place), then offload
+        as configured (the optimizer puts loaded state next to its parameters, on the device)."""
+        options = StateDictOptions(full_state_dict=False, strict=True)
+        self.onload(optimizer=True)
+        if self.optimizer is None:
+            set_state_dict(self.model, [], model_state_dict=state["model"], optim_state_dict={}, options=options)  # type: ignore[arg-type]
+        else:
+            assert self.scheduler is not None
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],  # type: ignore[arg-type]
+                           optim_state_dict=state["optimizer"], options=options)  # type: ignore[arg-type]
+            self.scheduler.load_state_dict(state["scheduler"])  # type: ignore[arg-type]
+        self.offload()
 
     # ------------------------------------------------------------------ memory between phases
     def offload(self) -> None:
-        """Move sharded parameters (and optimizer state) to CPU; a no-op on CPU runs."""
+        """Between phases: sharded parameters (and gradients) to CPU when ``param_offload``,
+        optimizer state to CPU when ``optimizer_offload``. A no-op on CPU runs, where everything
+        already lives in host memory. Idempotent."""
         if not self.on_gpu:
             return
-        self.model.to("cpu")
-        if self.optimizer is not None and self.optimizer_offload:
+        if self.param_offload and self._params_on_device:
+            self.model.to("cpu")  # FSDP2 re-points its shards; Parameter objects (optimizer refs) survive
+            self._params_on_device = False
+        if self.optimizer_offload and self.optimizer is not None and self._optimizer_on_device:
             _move_optimizer_state(self.optimizer, torch.device("cpu"))
+            self._optimizer_on_device = False
         torch.cuda.empty_cache()
 
-    def onload(self) -> None:
+    def onload(self, *, optimizer: bool = False) -> None:
+        """Parameters back on the device for compute; optimizer state too when ``optimizer``
+        (only the update needs it). Idempotent; a no-op on CPU runs."""
         if not self.on_gpu:
             return
-        self.model.to(self.device)
-        if self.optimizer is not None:
+        if not self._params_on_device:
+            self.model.to(self.device)
+            self._params_on_device = True
+        if optimizer and self.optimizer is not None and not self._optimizer_on_device:
             _move_optimizer_state(self.optimizer, self.device)
+            self._optimizer_on_device = True
 
     def barrier(self) -> None:
         dist.barrier(group=self.mesh.get_group(self.mesh.mesh_dim_names[-1]) if self.mesh.ndim > 1 else self.mesh.get_group())
 
 
+class _HeadInputs:
+    """Forward pre-hook of the LM head: while ``positions`` is set (inside ``_forward``) the head
+    gets only the hidden states at those ``(row, col)`` positions, as ``[1, N, H]``, so logits
+    (the largest activation for big vocabularies) exist only where a log-prob is needed."""
+
+    def __init__(self) -> None:
+        self.positions: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> tuple | None:
+        if self.positions is None:
+            return None
+        hidden, *rest = args
+        return (hidden[self.positions].unsqueeze(0), *rest)
+
+
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    # blocking both ways: a non-blocking copy into pageable host memory may be read before it lands
     for state in optimizer.state.values():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
+            if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps `step` on CPU
+                state[key] = value.to(device)
