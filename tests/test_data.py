@@ -7,6 +7,7 @@ Run with ``python3 -m pytest tests/test_data.py -q``. The Parquet test needs ``p
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,7 +18,10 @@ from spmd_rl.data import PromptSampler, Sample, build_prompts, columns_of, read_
 from spmd_rl.data.tasks import generate_arithmetic, generate_countdown
 from spmd_rl.reward.countdown import countdown_score, solve_countdown
 
-GSM8K = "/work/shared/data/gsm8k"
+from conftest import REPO
+
+# The steering repo's shared/ lies beside the checkout (here and in CI).
+GSM8K = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k")
 
 
 def _jsonl(path: Path, rows: list[object]) -> str:
