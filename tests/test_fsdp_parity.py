@@ -10,9 +10,10 @@ the loss summed over micro-batches and ranks, the returned gradient norm, the cl
 and the updated weights (full tensors from ``named_full_tensors``) within 1e-5, and the weight
 change within 1e-3 (see CHANGE_TOL for why it is looser).
 
-One 4-process world checks every layout (spawning is slow on small machines): FSDP 1D over all 4
-ranks, HSDP 2x2 (``FsdpConfig(fsdp_size=2)``), and FSDP 1D on 2 processes — two independent
-2-rank pools (ranks 0-1 and 2-3, meshes built with ``start``), each doing the whole update. A
+One 4-process world checks FSDP 1D over all 4 ranks, HSDP 2x2 (``FsdpConfig(fsdp_size=2)``), and
+FSDP 1D on 2 processes — two independent 2-rank pools (ranks 0-1 and 2-3, meshes built with
+``start``), each doing the whole update; one 8-process world checks FSDP 1D over 8 ranks and HSDP
+2x4 (two replicas of a 4-way shard). A
 1-process world checks that the engine's ``compute_logprobs`` equals the native rollout's sampling
 log-probs for the same tokens.
 
@@ -51,7 +52,12 @@ CHANGE_TOL = 1e-3
 ACTOR = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01, grad_clip=0.5)
 ALGO = dict(clip_low=0.2, clip_high=0.28, use_kl_loss=True, kl_coef=0.1, kl_kind="k3", entropy_coef=0.01)
 # name -> (pool size, fsdp_size); a pool smaller than the world is repeated over it
-LAYOUTS = {"fsdp2": (2, -1), "fsdp4": (4, -1), "hsdp2x2": (4, 2)}
+# Worlds of 4 and 8 processes, each checking its layouts in one spawn.
+WORLDS = {
+    4: {"fsdp2": (2, -1), "fsdp4": (4, -1), "hsdp2x2": (4, 2)},
+    8: {"fsdp8": (8, -1), "hsdp2x4": (8, 4)},
+}
+LAYOUTS = {name: world for world, layouts in WORLDS.items() for name in layouts}
 
 
 def tiny_folder() -> str:
@@ -163,10 +169,10 @@ def engine_update(folder: str, batch: RolloutBatch, *, mesh: Any, group: Any, fs
 
 
 def _layouts_body(rank: int, world_size: int, folder: str, batch: RolloutBatch) -> dict[str, Any]:
-    """Every layout of LAYOUTS in this world; every rank returns what it sees (under HSDP each
+    """Every layout of this world (WORLDS); every rank returns what it sees (under HSDP each
     replica gathers its own copy of the weights, so all ranks are compared, not only rank 0)."""
     out: dict[str, Any] = {}
-    for name, (pool_size, fsdp_size) in LAYOUTS.items():
+    for name, (pool_size, fsdp_size) in WORLDS[world_size].items():
         starts = range(0, world_size, pool_size)
         # new_group and DeviceMesh construction are collective over the world: every rank makes all
         groups = [dist.new_group(list(range(s, s + pool_size))) for s in starts]
@@ -203,11 +209,18 @@ def reference(folder: str, batch: RolloutBatch) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def world4(folder: str, batch: RolloutBatch) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    for part in run_distributed(_layouts_body, 4, folder, batch):
-        results.update(part)
-    return results
+def worlds(folder: str, batch: RolloutBatch) -> dict[int, dict[str, Any]]:
+    """Results per world size, each world spawned once, on first use."""
+    cache: dict[int, dict[str, Any]] = {}
+
+    def get(world_size: int) -> dict[str, Any]:
+        if world_size not in cache:
+            cache[world_size] = {}
+            for part in run_distributed(_layouts_body, world_size, folder, batch):
+                cache[world_size].update(part)
+        return cache[world_size]
+
+    return get  # type: ignore[return-value]
 
 
 def test_fixed_batch_exercises_the_objective(batch: RolloutBatch, reference: dict[str, Any]) -> None:
@@ -220,9 +233,10 @@ def test_fixed_batch_exercises_the_objective(batch: RolloutBatch, reference: dic
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_update_matches_single_process(layout: str, world4: dict[str, Any], reference: dict[str, Any]) -> None:
-    runs = {k: v for k, v in world4.items() if k.split("@")[0] == layout}
-    assert runs, f"no result for {layout}: {sorted(world4)}"
+def test_update_matches_single_process(layout: str, worlds, reference: dict[str, Any]) -> None:
+    results = worlds(LAYOUTS[layout])
+    runs = {k: v for k, v in results.items() if k.split("@")[0] == layout}
+    assert runs, f"no result for {layout}: {sorted(results)}"
     for key, got in runs.items():
         deltas = {n: torch.as_tensor(got["weights"][n]) - reference["before"][n] for n in reference["before"]}
         ref_deltas = {n: reference["weights"][n] - reference["before"][n] for n in reference["before"]}
