@@ -113,13 +113,11 @@ class RunSink:
         self.wandb = None
         if logging_cfg.wandb != "off":
             try:
-                import wandb  # noqa: F401
+                import wandb
             except ImportError:
                 if logging_cfg.wandb == "on":
                     raise ValueError("logging.wandb=on but wandb is not installed: pip install 'spmd_rl[wandb]'")
             else:
-                import wandb
-
                 mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
                 self.wandb = wandb.init(
                     project=logging_cfg.wandb_project,

@@ -32,6 +32,7 @@ from spmd_rl.config import ActorConfig, AlgoConfig, FsdpConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.dist.dims import FsdpLayout, UlyssesLayout
 from spmd_rl.dist.testing import run_distributed
+from support.numerics import max_rel, rel
 from spmd_rl.engine import packing
 from spmd_rl.engine.fsdp import FSDPEngine
 from spmd_rl.engine.ulysses import check_heads
@@ -201,14 +202,6 @@ def world4(folder: str, batch: RolloutBatch) -> dict[str, Any]:
     return run_distributed(_world_body, 4, folder, batch)[0]
 
 
-def _rel(a: Any, b: Any) -> float:
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-
-
-def _max_rel(a: dict[str, Any], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max((_rel(a[n], b[n]), n) for n in b)
 
 
 # --------------------------------------------------------------------------- parity
@@ -220,14 +213,14 @@ def test_update_matches_single_process(case: str, world4: dict[str, Any], refere
     delta = {n: torch.as_tensor(got["weights"][n]) - reference["before"][n] for n in reference["before"]}
     ref_delta = {n: reference["weights"][n] - reference["before"][n] for n in reference["before"]}
     diffs = {
-        "loss": (_rel(got["loss"], reference["loss"]), ""),
-        "grad_norm": (_rel(got["grad_norm"], reference["grad_norm"]), ""),
-        "grads": _max_rel(got["grads"], reference["grads"]),
-        "weights": _max_rel(got["weights"], reference["weights"]),
+        "loss": (rel(got["loss"], reference["loss"]), ""),
+        "grad_norm": (rel(got["grad_norm"], reference["grad_norm"]), ""),
+        "grads": max_rel(got["grads"], reference["grads"]),
+        "weights": max_rel(got["weights"], reference["weights"]),
     }
     # AdamW's first step is lr * g / (|g| + eps): on entries whose gradient is near zero it turns
     # summation-order noise into visible update differences, so the change gets a looser bound.
-    change = _max_rel(delta, ref_delta)
+    change = max_rel(delta, ref_delta)
     print(f"\n{case} (micro-batches, own need, largest per rank: {got['micro_batches']}): loss {got['loss']:.8f} vs "
           f"{reference['loss']:.8f}, grad_norm {got['grad_norm']:.6f} vs {reference['grad_norm']:.6f}; max relative "
           "diff " + ", ".join(f"{k} {v:.2e}{f' ({n})' if n else ''}" for k, (v, n) in {**diffs, "weight_change": change}.items()))

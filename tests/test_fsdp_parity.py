@@ -33,6 +33,7 @@ from spmd_rl.config import ActorConfig, AlgoConfig, FsdpConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.dist.dims import FsdpLayout
 from spmd_rl.dist.testing import run_distributed
+from support.numerics import max_rel, rel
 from spmd_rl.engine.fsdp import FSDPEngine
 from spmd_rl.models import load_causal_lm, resolve_model_path
 
@@ -183,14 +184,6 @@ def _layouts_body(rank: int, world_size: int, folder: str, batch: RolloutBatch) 
     return out
 
 
-def _rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-
-
-def _max_rel(a: dict[str, Any], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max((_rel(torch.as_tensor(a[n]), b[n]), n) for n in b)
 
 
 @pytest.fixture(scope="module")
@@ -241,11 +234,11 @@ def test_update_matches_single_process(layout: str, worlds, reference: dict[str,
         deltas = {n: torch.as_tensor(got["weights"][n]) - reference["before"][n] for n in reference["before"]}
         ref_deltas = {n: reference["weights"][n] - reference["before"][n] for n in reference["before"]}
         diffs = {
-            "loss": (_rel(got["loss"], reference["loss"]), ""),
-            "grad_norm": (_rel(got["grad_norm"], reference["grad_norm"]), ""),
-            "grads": _max_rel(got["grads"], reference["grads"]),
-            "weights": _max_rel(got["weights"], reference["weights"]),
-            "weight_change": _max_rel(deltas, ref_deltas),
+            "loss": (rel(got["loss"], reference["loss"]), ""),
+            "grad_norm": (rel(got["grad_norm"], reference["grad_norm"]), ""),
+            "grads": max_rel(got["grads"], reference["grads"]),
+            "weights": max_rel(got["weights"], reference["weights"]),
+            "weight_change": max_rel(deltas, ref_deltas),
         }
         print(f"\n{key} ({got['rows']} rows x {got['micro_batches']} micro-batches per rank): loss "
               f"{got['loss']:.8f} vs {reference['loss']:.8f}, grad_norm {got['grad_norm']:.6f} vs "

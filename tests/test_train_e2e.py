@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from conftest import HERE, REPO
 from spmd_rl.dist.testing import free_port
 
