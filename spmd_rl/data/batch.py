@@ -128,6 +128,3 @@ class RolloutBatch:
             prompt_width=width,
             response_len=t,
         )
-
-    def num_tokens(self) -> int:
-        return int(self.tensors["response_mask"].sum().item()) + sum(len(p) for p in self.prompts)

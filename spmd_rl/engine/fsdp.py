@@ -362,9 +362,6 @@ class FSDPEngine:
             _move_optimizer_state(self.optimizer, self.device)
             self._optimizer_on_device = True
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.mesh.get_group(self.mesh.mesh_dim_names[-1]) if self.mesh.ndim > 1 else self.mesh.get_group())
-
 
 class _HeadInputs:
     """Forward pre-hook of the LM head: while ``positions`` is set (inside ``_forward``) the head
