@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +126,13 @@ def test_help_shows_field_docs(module):
     assert "--actor.fsdp.fsdp-size" in text and "--config PATH" in text
     if module == "spmd_rl.layout":
         assert "--world-size" in text
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (Path(__file__).parent.parent / "configs").glob("*.yaml")))
+def test_every_preset_loads_and_plans(preset):
+    """Each shipped preset parses, passes validation, and lays out on 1 and 2 processes."""
+    from spmd_rl.dist import dims
+
+    cfg = load_config(["--config", str(Path(__file__).parent.parent / "configs" / preset)])
+    for world in (1, 2):
+        dims.plan(cfg, world, world)
