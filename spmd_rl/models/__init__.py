@@ -5,7 +5,7 @@
     tok = load_tokenizer(folder)
     model = load_causal_lm(folder, dtype=torch.float32)       # on CPU, eval mode; caller moves it
     rm = load_reward_model(rm_folder, dtype=torch.float32)    # sequence classifier, one output
-    flops = model_flops_per_token(model.config, seq_len=512)  # for MFU
+    flops = model_flops_per_token(model.config, seq_len=512)  # for MFU; FlopsModel: per phase
 
 Nothing here uses the network: a model is a local Hugging Face folder, or a built-in name that is
 materialised once into the cache (see :mod:`spmd_rl.models.builtin`).
@@ -14,7 +14,6 @@ materialised once into the cache (see :mod:`spmd_rl.models.builtin`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
@@ -23,6 +22,7 @@ from .builtin import (
     BUILTIN_NAMES, SMOLLM2_NAME, TINY_NAME, TINY_RM_NAME, TinyShape, cache_root, materialise_smollm2,
     materialise_tiny_random, materialise_tiny_random_rm,
 )
+from .flops import FlopsModel, model_flops_per_token
 from .tokenizer import build_char_tokenizer, load_tokenizer
 
 
@@ -91,44 +91,7 @@ def count_params(model: torch.nn.Module, *, trainable_only: bool = False) -> int
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-# Model types whose MLP is up + down only; everything else is assumed Llama-like (gate, up, down).
-_UNGATED_MLP = {"gpt2", "gpt_neox", "gptj", "opt", "bloom", "falcon", "phi", "starcoder2"}
-
-
-def _cfg(config: Any, *names: str) -> Any:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    raise ValueError(f"model config {type(config).__name__} has none of the attributes {names}; "
-                     "model_flops_per_token supports dense decoder-only (Llama-shaped) models")
-
-
-def model_flops_per_token(config: Any, *, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) of a dense decoder: ``6 * N + 12 * L * H * seq_len``.
-
-    ``N`` counts the parameters that take part in matmuls: every transformer layer plus the output
-    projection (``vocab * hidden``, counted even when tied, because it is a matmul); the input
-    embedding is a lookup and is left out. The second term is attention's ``QK^T`` and ``AV`` with
-    ``H = heads * head_dim`` over the full (not causally halved) ``seq_len``, as in the PaLM paper.
-    Inference (forward only) is a third of this.
-    """
-    text = getattr(config, "text_config", None) or config
-    hidden = int(_cfg(text, "hidden_size", "n_embd", "d_model"))
-    layers = int(_cfg(text, "num_hidden_layers", "n_layer"))
-    heads = int(_cfg(text, "num_attention_heads", "n_head"))
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
-    intermediate = int(getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden)
-    vocab = int(_cfg(text, "vocab_size"))
-    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o, k, v
-    gated = getattr(text, "model_type", "") not in _UNGATED_MLP  # gate, up and down projections
-    mlp = (3 if gated else 2) * hidden * intermediate
-    n_matmul = layers * (attn + mlp) + vocab * hidden
-    return float(6 * n_matmul + 12 * layers * heads * head_dim * seq_len)
-
-
 __all__ = [
-    "BUILTIN_NAMES", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "build_char_tokenizer", "count_params",
+    "BUILTIN_NAMES", "FlopsModel", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "build_char_tokenizer", "count_params",
     "load_causal_lm", "load_reward_model", "load_tokenizer", "model_flops_per_token", "resolve_model_path",
 ]
