@@ -178,6 +178,11 @@ class RolloutConfig:
             0 < self.gpu_memory_utilization <= 1,
             f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
         )
+        _check(
+            self.backend != "vllm" or (self.top_k == 0 and self.top_p == 1.0),
+            f"rollout.backend=vllm reports log-probs after top-k / top-p filtering, the trainer before it: "
+            f"use --rollout.top-k 0 --rollout.top-p 1.0 with vllm (got top_k={self.top_k}, top_p={self.top_p})",
+        )
 
 
 @dataclass(kw_only=True)
@@ -314,11 +319,18 @@ class AlgoConfig:
     """KL estimator; k3 is the low-variance one."""
     entropy_coef: float = 0.0
     """Entropy bonus weight (0 = off; entropy is logged either way)."""
+    rollout_is: Literal["none", "token_truncated"] = "none"
+    """Importance-sampling correction of the rollout/trainer log-prob mismatch (e.g. vLLM vs FSDP):
+    `token_truncated` multiplies each token's policy loss by min(exp(old - rollout), algo.rollout_is_cap),
+    old = the trainer's own log-probs of the sampling policy (their forward then runs every step)."""
+    rollout_is_cap: float = 2.0
+    """Upper bound of the truncated importance weight (`algo.rollout_is=token_truncated`)."""
 
     def __post_init__(self) -> None:
         _check(self.clip_low >= 0 and self.clip_high >= 0, f"algo.clip_low ({self.clip_low}) and algo.clip_high ({self.clip_high}) must be >= 0")
         _check(self.clip_c > 1, f"algo.clip_c must be > 1, got {self.clip_c}")
         _check(self.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {self.kl_coef}")
+        _check(self.rollout_is_cap >= 1, f"algo.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
 
 
 @dataclass(kw_only=True)
