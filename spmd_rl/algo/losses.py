@@ -33,6 +33,7 @@ __all__ = [
     "aggregate",
     "ppo_clip",
     "gspo",
+    "truncated_is_weights",
     "entropy_from_logits",
     "logprobs_from_logits",
 ]
@@ -174,6 +175,7 @@ def ppo_clip(
     agg_mode: str = "token-mean",
     global_tokens: Optional[Count] = None,
     global_seqs: Optional[Count] = None,
+    token_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level PPO clipped surrogate with dual clip (Ye et al. 2020).
 
@@ -197,6 +199,9 @@ def ppo_clip(
     clipped = torch.maximum(pg1, pg2)
     pg3 = -advantages * clip_c
     final = torch.where(advantages < 0, torch.minimum(clipped, pg3), clipped)
+    if token_weights is not None:  # e.g. truncated IS weights of the rollout mismatch (no gradient)
+        _check_same_shape("logprobs", logprobs, "token_weights", token_weights)
+        final = final * token_weights.detach()
 
     loss = aggregate(
         final, response_mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs
@@ -223,6 +228,7 @@ def gspo(
     agg_mode: str = "seq-mean-token-mean",
     global_tokens: Optional[Count] = None,
     global_seqs: Optional[Count] = None,
+    token_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: PPO clipping on the sequence-level, length-normalised ratio
     ``s_i = exp(mean_t (logp - old_logp))`` (Zheng et al. 2025).
@@ -242,6 +248,9 @@ def gspo(
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     final = torch.maximum(pg1, pg2)
+    if token_weights is not None:
+        _check_same_shape("logprobs", logprobs, "token_weights", token_weights)
+        final = final * token_weights.detach()
 
     loss = aggregate(
         final, response_mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs
@@ -253,6 +262,39 @@ def gspo(
             "pg_clipfrac_lower": torch.zeros((), dtype=final.dtype, device=final.device),
         }
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    cap: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level truncated importance weights ``min(exp(old - rollout), cap)``, ``[B, T]``.
+
+    ``rollout_logprobs`` are the sampling engine's log-probs (what the tokens were drawn from),
+    ``old_logprobs`` the trainer's own log-probs of the same policy; they differ by numerics
+    (kernels, dtypes, a vLLM vs FSDP forward). Weighting the policy loss by this ratio corrects
+    the gradient towards the trainer's policy; truncation at ``cap`` bounds its variance (TIS).
+    The weights are detached and 0 where masked. Metrics (local token means): ``is_weight_mean``,
+    ``is_clip_frac`` (share of tokens at the cap) and ``rollout_kl`` (mean rollout - old, a k1
+    estimate of KL(rollout || trainer)).
+    """
+    _check_same_shape("old_logprobs", old_logprobs, "rollout_logprobs", rollout_logprobs)
+    _check_same_shape("old_logprobs", old_logprobs, "response_mask", response_mask)
+    if cap < 1.0:
+        raise ValueError(f"rollout_is_cap must be >= 1, got {cap}")
+    with torch.no_grad():
+        log_ratio = (old_logprobs - rollout_logprobs).clamp(min=-20.0, max=20.0)
+        raw = torch.exp(log_ratio)
+        weights = raw.clamp(max=cap) * response_mask.to(raw.dtype)
+        metrics = {
+            "is_weight_mean": _masked_mean(weights, response_mask),
+            "is_clip_frac": _masked_mean((raw > cap).to(raw.dtype), response_mask),
+            "rollout_kl": _masked_mean(-log_ratio, response_mask),
+        }
+    return weights, metrics
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

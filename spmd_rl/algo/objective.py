@@ -44,16 +44,27 @@ def actor_objective(
     algo: AlgoConfig,
     global_tokens: float,
     global_seqs: float,
+    rollout_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``rollout_logprobs``: the sampling engine's log-probs, needed when ``algo.rollout_is`` is on
+    (the policy loss is then weighted per token by :func:`losses.truncated_is_weights` of
+    ``old_logprobs``, which must be the trainer's own log-probs of the sampling policy)."""
     counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
     policy = losses.gspo if algo.policy_loss == "gspo" else losses.ppo_clip
     extra = {} if algo.policy_loss == "gspo" else {"clip_c": algo.clip_c}
+    is_metrics: dict[str, torch.Tensor] = {}
+    if algo.rollout_is == "token_truncated":
+        if rollout_logprobs is None:
+            raise ValueError("algo.rollout_is=token_truncated needs the rollout engine's log-probs")
+        extra["token_weights"], is_metrics = losses.truncated_is_weights(
+            old_logprobs, rollout_logprobs, response_mask, cap=algo.rollout_is_cap)
     pg_loss, metrics = policy(
         logprobs, old_logprobs, advantages, response_mask,
         clip_low=algo.clip_low, clip_high=algo.clip_high, agg_mode=algo.loss_agg_mode, **extra, **counts,
     )
     loss = pg_loss
     metrics = {f"actor/{k}": v for k, v in metrics.items()}
+    metrics.update({f"rollout/{k}": v for k, v in is_metrics.items()})
     metrics["actor/pg_loss"] = pg_loss.detach()
     if algo.use_kl_loss:
         if ref_logprobs is None:
