@@ -6,7 +6,9 @@
 
 Every engine implements :class:`RolloutEngine` (``generate``, ``load_weights``, ``sleep``,
 ``wake_up``, ``close``) and returns a :class:`GenerationOutput`. Backends: ``native``
-(:class:`NativeRollout`, built in, CPU and GPU).
+(:class:`NativeRollout`, built in, CPU and GPU) and ``vllm`` (``vllm_engine.VllmRollout``, the
+`vllm` extra, imported only when chosen; it also takes ``tp``, ``pp``, ``gpu_memory_utilization``,
+``max_model_len`` and ``seed``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from typing import Any, Callable
 from .base import GenerationOutput, RolloutEngine
 from .native import NativeRollout
 
-_BACKENDS: dict[str, Callable[..., RolloutEngine]] = {"native": NativeRollout}
+
+def _vllm(**kwargs: Any) -> RolloutEngine:
+    from .vllm_engine import VllmRollout  # imports vllm: only when this backend is asked for
+
+    return VllmRollout(**kwargs)
+
+
+_BACKENDS: dict[str, Callable[..., RolloutEngine]] = {"native": NativeRollout, "vllm": _vllm}
 
 
 def build_rollout(backend: str, **kwargs: Any) -> RolloutEngine:

@@ -77,6 +77,12 @@ class RolloutEngine(Protocol):
         """
         ...
 
+    @property
+    def needs_weights(self) -> bool:
+        """True when the engine holds no valid weights (vLLM after a level-2 sleep, which discards
+        them): the caller must :meth:`load_weights` before :meth:`generate`."""
+        ...
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full tensors with Hugging Face parameter names into the engine's own weights.
 

@@ -215,6 +215,11 @@ class NativeRollout:
 
     # ------------------------------------------------------------------ weights and memory
 
+    @property
+    def needs_weights(self) -> bool:
+        """Never: a level-2 sleep keeps the weights in host memory."""
+        return False
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ``(hf_name, full_tensor)`` pairs into the model, casting dtype and device.
 
