@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import logging
 from typing import Iterable
 
 import torch
@@ -31,44 +32,10 @@ from transformers import DynamicCache
 
 from ..models import load_causal_lm
 from .base import GenerationOutput, check_sampling_args
+from .fast import FastDecoder, unsupported_reason
+from .sampling import filter_logits, sample_next
 
-
-def filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k and outside the top-p nucleus to -inf (``[b, V]`` float)."""
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    return logits
-
-
-def sample_next(
-    logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float, generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row from ``[b, V]`` logits; return ``(tokens [b], logprobs [b] float32)``.
-
-    The log-prob is taken from ``log_softmax(logits / T)`` before filtering (module docstring).
-    Sampling uses the exponential race (``argmax p / E``, ``E ~ Exp(1)``), which draws exactly from
-    ``p`` and needs no host synchronisation.
-    """
-    logits = logits.float()
-    scaled = logits / temperature if temperature > 0 else logits
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    if temperature == 0:
-        tokens = torch.argmax(logits, dim=-1)
-    else:
-        probs = torch.softmax(filter_logits(scaled, top_k=top_k, top_p=top_p), dim=-1)
-        race = torch.empty_like(probs).exponential_(generator=generator)
-        race.clamp_(min=torch.finfo(race.dtype).tiny)  # an exact 0 would turn p=0 into NaN
-        tokens = torch.argmax(probs / race, dim=-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+log = logging.getLogger("spmd_rl")
 
 
 class NativeRollout:
@@ -84,6 +51,7 @@ class NativeRollout:
         pad_token_id: int,
         eos_token_ids: list[int],
         trust_remote_code: bool = False,
+        fast_decode: bool = True,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
@@ -108,6 +76,16 @@ class NativeRollout:
         self._unique: list[torch.Tensor] = list({id(t): t for t in self._targets.values()}.values())
         self._host_copies: list[torch.Tensor] | None = None  # kept across sleeps (pinned on CUDA)
         self._sleep_level = 0
+        # The fast path (spmd_rl/rollout/fast.py) reads the same parameters, so hot-swap reaches it too.
+        self._fast: FastDecoder | None = None
+        self._fast_skip_logged = False
+        if fast_decode:
+            reason = unsupported_reason(self.model)
+            if reason is None:
+                self._fast = FastDecoder(self.model, device=self.device, max_batch=batch_size,
+                                         pad_token_id=self.pad_token_id)
+            else:
+                log.warning("NativeRollout: fast decode is off (%s); using the Hugging Face decode loop", reason)
 
     # ------------------------------------------------------------------ generation
 
@@ -161,7 +139,24 @@ class NativeRollout:
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
         generator: torch.Generator,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Generate for one left-padded chunk; returns ``tokens, mask, logprobs [b, t]`` and ``truncated [b]``."""
+        """Generate for one chunk; returns ``tokens, mask, logprobs [b, t]`` and ``truncated [b]`` (on device)."""
+        if self._fast is not None:
+            reason = self._fast.call_unsupported(max(len(r) for r in rows) + max_new_tokens)
+            if reason is None:
+                return self._fast.generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                 max_new_tokens=max_new_tokens, generator=generator, eos=self._eos)
+            if not self._fast_skip_logged:
+                log.warning("NativeRollout: fast decode skipped for this call (%s); using the Hugging Face "
+                            "decode loop", reason)
+                self._fast_skip_logged = True
+        return self._generate_chunk_hf(rows, temperature=temperature, top_k=top_k, top_p=top_p,
+                                       max_new_tokens=max_new_tokens, generator=generator)
+
+    def _generate_chunk_hf(
+        self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The Hugging Face loop: left-padded prefill, then :meth:`_decode_step` over a ``DynamicCache``."""
         b, longest = len(rows), max(len(r) for r in rows)
         input_ids = torch.full((b, longest), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros(b, longest, dtype=torch.long)
@@ -239,9 +234,12 @@ class NativeRollout:
                 target.copy_(tensor)
 
     def sleep(self, level: int) -> None:
-        """1: drop cached device memory; 2: also move the weights to (pinned) host memory."""
+        """1: free the KV cache, CUDA graphs and cached device memory; 2: also move the weights to
+        (pinned) host memory."""
         if level not in (1, 2):
             raise ValueError(f"rollout.sleep_level must be 1 or 2, got {level}")
+        if self._fast is not None:
+            self._fast.release()
         if level == 2 and self._sleep_level < 2:
             if self._host_copies is None:
                 pin = self.device.type == "cuda"
@@ -256,17 +254,22 @@ class NativeRollout:
         self._free_cached_memory()
 
     def wake_up(self) -> None:
-        """Bring the weights back to the device (after ``sleep(2)``); a no-op when awake."""
+        """Bring the weights back to the device (after ``sleep(2)``) and reallocate the fast path's KV
+        cache (its CUDA graphs are recaptured on first use); a no-op when awake."""
         if self._sleep_level == 2:
             for t in self._unique:
                 on_device = torch.empty(t.shape, dtype=t.dtype, device=self.device)
                 on_device.copy_(t.data, non_blocking=True)
                 t.data = on_device
             self._synchronize()
+        if self._sleep_level and self._fast is not None:
+            self._fast.restore()
         self._sleep_level = 0
 
     def close(self) -> None:
-        self._targets, self._unique, self._host_copies = {}, [], None
+        if self._fast is not None:
+            self._fast.release()
+        self._targets, self._unique, self._host_copies, self._fast = {}, [], None, None
         self.model = None  # type: ignore[assignment]
         self._free_cached_memory()
 

@@ -1,0 +1,223 @@
+"""The fast decode path (spmd_rl/rollout/fast.py) against the Hugging Face decode loop of NativeRollout.
+
+Run with ``python3 -m pytest tests/test_rollout_fast.py -q``. Tiny random Llama / Qwen2 / Mistral
+models are built from configs (fp32 on CPU; the CUDA variants run where a GPU is present, with CUDA
+graphs). Prompts are random ids of different lengths, so chunks are left-padded; a small
+``batch_size`` gives several chunks and batch buckets, and an EOS id that some rows produce early
+makes the live rows move to smaller buckets (compaction).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from spmd_rl.models import load_causal_lm
+from spmd_rl.rollout import GenerationOutput, NativeRollout
+from spmd_rl.rollout.fast import FastDecoder, batch_buckets
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+VOCAB = 101
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=128, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SHAPES = {
+    "llama-gqa-untied": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **COMMON)),
+    "llama-mha-tied-bias": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=4, tie_word_embeddings=True,
+                                                          attention_bias=True, mlp_bias=True, **COMMON)),
+    "qwen2-gqa-tied": (Qwen2ForCausalLM, Qwen2Config(num_key_value_heads=1, tie_word_embeddings=True,
+                                                     use_sliding_window=False, **COMMON)),
+    "qwen2-gqa-untied": (Qwen2ForCausalLM, Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False,
+                                                       use_sliding_window=False, **COMMON)),
+}
+LENGTHS = [3, 9, 1, 14, 6, 11]
+
+
+def build(root: Path, name: str, cls=None, config=None) -> str:
+    folder = root / name
+    if not (folder / "config.json").exists():
+        cls, config = (cls, config) if cls is not None else SHAPES[name]
+        torch.manual_seed(0)
+        cls(config).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fast_models")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def engine(folder: str, device: str = "cpu", *, fast: bool = True, batch_size: int = 4, eos: int = VOCAB,
+           dtype: torch.dtype = torch.float32) -> NativeRollout:
+    """EOS defaults to an id outside the vocabulary: rows run to max_new_tokens."""
+    return NativeRollout(folder, device=torch.device(device), dtype=dtype, batch_size=batch_size, pad_token_id=0,
+                         eos_token_ids=[eos], fast_decode=fast)
+
+
+def greedy(e: NativeRollout, prompts, n: int = 2, max_new_tokens: int = 20) -> GenerationOutput:
+    return e.generate(prompts, n=n, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, seed=0)
+
+
+def responses(out: GenerationOutput) -> list[list[int]]:
+    return [row[mask.bool()].tolist() for row, mask in zip(out.response_ids, out.response_mask)]
+
+
+def early_eos(rows: list[list[int]]) -> int:
+    """A token that ends some rows early but not all: the one that stops the most rows in their first 8 tokens."""
+    counts = {}
+    for r in rows:
+        for t in set(r[:8]):
+            counts[t] = counts.get(t, 0) + 1
+    return max((t for t in counts if counts[t] < len(rows)), key=lambda t: counts[t])
+
+
+def assert_same(a: GenerationOutput, b: GenerationOutput, atol: float = 1e-5) -> None:
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.response_mask, b.response_mask) and torch.equal(a.truncated, b.truncated)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_equals_hf_loop_with_padding_buckets_and_compaction(root: Path, prompts, shape: str,
+                                                                    device: str) -> None:
+    folder = build(root, shape)
+    free = greedy(engine(folder, device, fast=False), prompts)
+    eos = early_eos(responses(free))
+    ref = greedy(engine(folder, device, fast=False, eos=eos), prompts)
+    fast_engine = engine(folder, device, eos=eos)
+    fast_engine._fast.check_every = 1  # look for finished rows every step, also on CUDA
+    out = greedy(fast_engine, prompts)
+    atol = 1e-5 if device == "cpu" else 1e-4  # GPU kernels differ between the two paths in fp32 rounding
+    assert_same(out, ref, atol=atol)
+    assert_same(greedy(engine(folder, device), prompts), free, atol=atol)  # no EOS: every row runs to the end
+    lengths = ref.response_lengths.tolist()
+    assert min(lengths) < max(lengths) and ref.truncated.any() and not ref.truncated.all()
+    assert fast_engine._fast.compactions > 0  # live rows moved to a smaller bucket
+    if device == "cuda":
+        assert fast_engine._fast._graphs  # the decode step ran as CUDA graphs
+
+
+def teacher_forced_logprobs(folder: str, out: GenerationOutput, temperature: float) -> torch.Tensor:
+    model = load_causal_lm(folder, dtype=torch.float32)
+    result = torch.zeros_like(out.logprobs)
+    for i, (p, r) in enumerate(zip(out.prompt_ids, responses(out))):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + r])).logits[0].float()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        result[i, :len(r)] = logp[torch.arange(len(p) - 1, len(p) - 1 + len(r)), torch.tensor(r)]
+    return result
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (15, 0.8)])
+def test_sampling_is_seeded_and_logprobs_match_teacher_forcing(root: Path, prompts, top_k: int,
+                                                               top_p: float) -> None:
+    folder = build(root, "qwen2-gqa-tied")
+    e = engine(folder, eos=early_eos(responses(greedy(engine(folder, fast=False), prompts))))
+    args = dict(n=3, temperature=0.8, top_k=top_k, top_p=top_p, max_new_tokens=16)
+    a, b, c = e.generate(prompts, seed=4, **args), e.generate(prompts, seed=4, **args), e.generate(prompts, seed=5, **args)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.response_ids, c.response_ids)
+    assert len({tuple(r) for r in responses(a)[:3]}) > 1
+    mask = a.response_mask.bool()
+    diff = (a.logprobs - teacher_forced_logprobs(folder, a, 0.8)).abs()[mask]
+    assert diff.max() <= 1e-4, f"max log-prob difference {diff.max():.2e}"
+    assert (a.logprobs[~mask] == 0).all() and (a.logprobs[mask] < 0).all()
+
+
+def test_sampler_draws_from_the_filtered_distribution(root: Path) -> None:
+    fast = engine(build(root, "llama-gqa-untied"))._fast
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    scaled = torch.log(probs).expand(20000, 4)
+    lse = torch.logsumexp(scaled, -1)
+    tokens, logprobs = fast._sample(scaled, lse, greedy=False, top_k=3, top_p=1.0,
+                                    generator=torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.015, rtol=0)
+    torch.testing.assert_close(logprobs, torch.log(probs)[tokens])  # log-probs before filtering
+    tokens, _ = fast._sample(scaled, lse, greedy=False, top_k=0, top_p=0.6, generator=torch.Generator())
+    assert set(tokens.tolist()) == {0, 1}
+    assert batch_buckets(1) == [1] and batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+def test_hot_swap_reaches_the_fast_path(root: Path, prompts, tmp_path: Path) -> None:
+    folder = build(root, "llama-mha-tied-bias")
+    e = engine(folder)
+    before = greedy(e, prompts)
+    perturbed = load_causal_lm(folder, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    perturbed.save_pretrained(tmp_path)
+    e.load_weights((name, t.detach().clone()) for name, t in perturbed.state_dict().items())
+    after = greedy(e, prompts)
+    assert not torch.equal(before.response_ids, after.response_ids)
+    assert_same(after, greedy(engine(str(tmp_path), fast=False), prompts))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sleep_frees_the_kv_cache_and_wake_up_restores_it(root: Path, prompts, device: str) -> None:
+    e = engine(build(root, "qwen2-gqa-untied"), device)
+    ref = greedy(e, prompts)
+    fast = e._fast
+    shape = tuple(fast.cache.shape)
+    for level in (1, 2):
+        before = torch.cuda.memory_allocated() if device == "cuda" else 0
+        e.sleep(level)
+        assert fast.cache is None and not fast._graphs
+        if device == "cuda":
+            freed = before - torch.cuda.memory_allocated()
+            assert freed >= math.prod(shape) * 4, f"sleep({level}) freed {freed} bytes"
+        e.wake_up()
+        assert tuple(fast.cache.shape) == shape
+        assert_same(greedy(e, prompts), ref, atol=0)
+    e.close()
+
+
+def test_fallbacks_are_logged_and_use_the_hf_loop(root: Path, prompts, caplog: pytest.LogCaptureFixture) -> None:
+    gpt2 = build(root, "gpt2", GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
+    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+        assert engine(gpt2)._fast is None
+    assert "fast decode is off (model_type 'gpt2' is not one of ('llama', 'qwen2', 'mistral'))" in caplog.text
+
+    mistral = build(root, "mistral-window", MistralForCausalLM, MistralConfig(num_key_value_heads=2,
+                                                                              sliding_window=12, **COMMON))
+    caplog.clear()
+    e = engine(mistral)
+    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+        short = greedy(e, [p[:4] for p in prompts], max_new_tokens=8)  # 4 + 8 <= window: fast path
+    assert not caplog.text and e._fast.cache is not None
+    assert_same(short, greedy(engine(mistral, fast=False), [p[:4] for p in prompts], max_new_tokens=8))
+    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+        long = greedy(e, prompts)
+    assert "the sequence length 34 exceeds the model's sliding window (12)" in caplog.text
+    assert_same(long, greedy(engine(mistral, fast=False), prompts), atol=0)
+    with pytest.raises(ValueError, match="FastDecoder: model_type 'gpt2'"):
+        FastDecoder(load_causal_lm(gpt2, dtype=torch.float32), device=torch.device("cpu"), max_batch=2,
+                    pad_token_id=0)
+
+
+@CUDA
+def test_bf16_cuda_graphs_agree_with_the_hf_loop(root: Path, prompts) -> None:
+    folder = build(root, "qwen2-gqa-tied")
+    out = greedy(engine(folder, "cuda", dtype=torch.bfloat16, batch_size=8), prompts, max_new_tokens=12)
+    ref = greedy(engine(folder, "cuda", fast=False, dtype=torch.bfloat16, batch_size=8), prompts, max_new_tokens=12)
+    agree = (out.response_ids == ref.response_ids).float().mean().item()
+    diff = (out.logprobs - ref.logprobs).abs()[(out.response_ids == ref.response_ids) & ref.response_mask.bool()]
+    print(f"\nbf16 fast vs HF loop: {agree:.1%} of tokens equal, log-prob mean abs diff {diff.mean():.2e}")
+    assert (out.response_ids[:, 0] == ref.response_ids[:, 0]).float().mean() >= 0.75 and diff.mean() < 5e-2
