@@ -1,0 +1,369 @@
+"""Megatron engine: the actor (or frozen reference) as a megatron-core GPT model with tensor,
+pipeline (+ virtual), and expert parallelism, behind the same interface as ``FSDPEngine``.
+
+    engine = MegatronEngine(model_folder=..., device=env.device, layout=plan.megatron,
+                            megatron=cfg.actor.megatron, actor=cfg.actor, total_updates=..., seed=...)
+    logprobs, entropy = engine.compute_logprobs(batch, temperature=1.0, micro_batch_size=8)
+    metrics = engine.train_mini_batch(engine.micro_batches(mini, micro_batch_size=8), loss_fn, ...)
+    for name, tensor in engine.named_full_tensors(): ...   # full HF tensors on every rank
+
+Data: every rank of a data-parallel group (its tp x pp ranks) holds the same rows. A micro-batch
+becomes a ``[B, W]`` grid with each row ``prompt + response`` starting at column 0 and padded on the
+right, so causal attention needs no mask and positions are ``0..W-1``; all micro-batches of one call
+share ``B`` and ``W`` (megatron's pipeline schedules send fixed-shape activations), padded with empty
+rows when the last is short and ``W`` rounded up to a multiple of tp (sequence parallelism).
+
+Training runs megatron-core's ``get_forward_backward_func`` (1F1B, or interleaved with vpp). The
+trainer's ``loss_fn`` runs on the last pipeline stage on vocab-parallel log-probs
+(:mod:`.vocab`); its loss is already divided by the GLOBAL token count, so the engine sets
+``calculate_per_token_loss`` (no division by micro-batch count), makes megatron's DDP SUM gradients
+over data-parallel ranks (scaling factor 1) and ignores the token total the schedule passes to
+``finalize_model_grads``. The distributed optimizer (ZeRO-1 over dp) applies AdamW with weight decay
+on every parameter and the same LR schedule as the FSDP engine; the gradient norm is checked for
+NaN/inf before the step. On CUDA parameters are bf16 (megatron ``Float16Module``) with fp32 main
+weights in the optimizer; on CPU everything is fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.config import ActorConfig, MegatronConfig
+from spmd_rl.data.batch import RolloutBatch
+from spmd_rl.dist.dims import MegatronLayout
+from spmd_rl.engine.fsdp import LossFn, lr_lambda
+from spmd_rl.engine.megatron.convert import export_hf_weights, load_hf_weights
+from spmd_rl.engine.megatron.groups import init_model_parallel
+from spmd_rl.engine.megatron.model import ModelSpec, build_chunks, check_layout, transformer_config
+from spmd_rl.engine.megatron.vocab import vocab_parallel_logprobs
+from spmd_rl.models import load_causal_lm
+
+
+@dataclass
+class _Grid:
+    """One micro-batch as the model sees it."""
+
+    micro: RolloutBatch
+    tokens: torch.Tensor  # [B, W] long
+    positions: torch.Tensor  # [B, W]
+    rows: torch.Tensor  # [B*T] grid row of each response position's predictor
+    cols: torch.Tensor  # [B*T]
+    labels: torch.Tensor  # [B*T]
+    real: int  # rows 0..real-1 are the micro-batch, the rest padding
+
+
+def batch_p2p_comm_for(layout: MegatronLayout) -> bool:
+    """megatron's batched p2p sends to the next and receives from the previous stage in one
+    ``batch_isend_irecv``; with pp == 2 and vpp those are the same peer and on gloo the two
+    messages can pair up wrongly (silently wrong losses seen in testing), so they go one by one."""
+    return not (layout.pp == 2 and layout.vpp > 1)
+
+
+class MegatronEngine:
+    """Actor (trainable) or reference (frozen) model on megatron-core."""
+
+    def __init__(
+        self,
+        *,
+        model_folder: str,
+        device: torch.device,
+        layout: MegatronLayout,
+        megatron: MegatronConfig,
+        actor: ActorConfig | None = None,
+        total_updates: int = 1,
+        trainable: bool = True,
+        trust_remote_code: bool = False,
+        pad_token_id: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if trainable and actor is None:
+            raise ValueError("a trainable MegatronEngine needs the actor config section")
+        from megatron.core import parallel_state as ps
+
+        init_model_parallel(layout, seed=seed)
+        self.device = device
+        self.layout = layout
+        self.trainable = trainable
+        self.pad_token_id = pad_token_id
+        self.on_gpu = device.type == "cuda"
+        hf_model = load_causal_lm(model_folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        self.config = hf_model.config
+        self.spec = ModelSpec.from_hf(self.config)
+        check_layout(self.spec, layout)
+        hf_state = {name: p.detach() for name, p in hf_model.named_parameters()}  # tied: embed only
+        self.hf_shapes = {name: t.shape for name, t in hf_state.items()}
+        self.tf_config = transformer_config(
+            self.spec, layout, params_dtype=torch.float32, bf16=self.on_gpu,
+            sequence_parallel=megatron.sequence_parallel, batch_p2p_comm=batch_p2p_comm_for(layout))
+        chunks = build_chunks(self.spec, layout, self.tf_config)
+        load_hf_weights(chunks, self.spec, hf_state)
+        del hf_model, hf_state
+        for chunk in chunks:
+            chunk.to(device)
+        if self.on_gpu:
+            from megatron.core.transformer.module import Float16Module
+
+            chunks = [Float16Module(self.tf_config, chunk) for chunk in chunks]
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.vocab_local = self.spec.padded_vocab(layout.tp) // layout.tp
+        self.layers_per_chunk = self.spec.layers // (layout.pp * layout.vpp)
+
+        self.optimizer = None
+        self.updates = 0
+        self.actor = actor
+        self.total_updates = total_updates
+        if trainable:
+            assert actor is not None
+            self.model = self._wrap_ddp(chunks)
+            self.optimizer = self._build_optimizer(actor)
+        else:
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+            self.model = chunks
+
+    # ------------------------------------------------------------------ setup
+    def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True,
+            check_for_nan_in_grad=False, average_in_collective=False)
+
+        def finalize(model, num_tokens=None, **kwargs):  # the loss is globally normalised already
+            return finalize_model_grads(model, None, **kwargs)
+
+        self.tf_config.finalize_model_grads_func = finalize
+        return [DistributedDataParallel(config=self.tf_config, ddp_config=ddp_config, module=chunk,
+                                        disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+
+    def _build_optimizer(self, actor: ActorConfig):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam", lr=actor.lr, min_lr=actor.lr * actor.min_lr_ratio, weight_decay=actor.weight_decay,
+            adam_beta1=actor.betas[0], adam_beta2=actor.betas[1], adam_eps=1e-8, clip_grad=actor.grad_clip,
+            bf16=self.on_gpu, params_dtype=torch.bfloat16 if self.on_gpu else torch.float32,
+            use_distributed_optimizer=True)
+        # {} = no per-parameter overrides: weight decay on every parameter, as the FSDP engine's AdamW
+        return get_megatron_optimizer(config, self.model, config_overrides={})
+
+    def _chunks(self) -> list[torch.nn.Module]:
+        """The GPTModel of every chunk (under DDP / Float16Module wrappers)."""
+        out = []
+        for m in self.model:
+            while not hasattr(m, "decoder"):
+                m = m.module
+            out.append(m)
+        return out
+
+    # ------------------------------------------------------------------ data
+    def micro_batches(self, batch: RolloutBatch, *, micro_batch_size: int) -> list[RolloutBatch]:
+        """``micro_batch_size`` rows each, in order (the last may be shorter)."""
+        return list(batch.split(micro_batch_size))
+
+    def _grids(self, micros: list[RolloutBatch]) -> tuple[list[_Grid], int, int]:
+        rows = max(len(m) for m in micros)
+        width = max(max(len(p) for p in m.prompts) + m.response_len for m in micros)
+        width = -(-width // self.layout.tp) * self.layout.tp
+        grids = []
+        for micro in micros:
+            t = micro.response_len
+            tokens = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+            starts = torch.ones(rows, dtype=torch.long)  # padding rows: any valid predictor position
+            for i, prompt in enumerate(micro.prompts):
+                tokens[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+                tokens[i, len(prompt):len(prompt) + t] = micro["response_ids"][i]
+                starts[i] = len(prompt)
+            labels = torch.full((rows, t), self.pad_token_id, dtype=torch.long)
+            labels[:len(micro)] = micro["response_ids"]
+            cols = (starts[:, None] - 1 + torch.arange(t)[None]).reshape(-1)
+            grids.append(_Grid(
+                micro=micro, tokens=tokens.to(self.device),
+                positions=torch.arange(width).expand(rows, width).contiguous().to(self.device),
+                rows=torch.arange(rows).repeat_interleave(t).to(self.device), cols=cols.to(self.device),
+                labels=labels.reshape(-1).to(self.device), real=len(micro)))
+        return grids, rows, width
+
+    def _response_logprobs(self, logits: torch.Tensor, grid: _Grid, temperature: float, entropy: str
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[real, T]`` log-probs (0 where the response mask is 0) and entropy from ``[B, W, V/tp]`` logits."""
+        picked = logits[grid.rows, grid.cols].float()
+        if temperature > 0 and temperature != 1.0:
+            picked = picked / temperature
+        if entropy == "detached":
+            logp, _ = vocab_parallel_logprobs(picked, grid.labels, group=self.tp_group, entropy=False,
+                                              vocab_start=self.tp_rank * self.vocab_local, vocab=self.spec.vocab)
+            with torch.no_grad():
+                _, ent = vocab_parallel_logprobs(picked.detach(), grid.labels, group=self.tp_group, entropy=True,
+                                                 vocab_start=self.tp_rank * self.vocab_local, vocab=self.spec.vocab)
+        else:
+            logp, ent = vocab_parallel_logprobs(picked, grid.labels, group=self.tp_group, entropy=entropy == "grad",
+                                                vocab_start=self.tp_rank * self.vocab_local, vocab=self.spec.vocab)
+        t = grid.micro.response_len
+        mask = grid.micro["response_mask"].to(self.device)
+        logp = logp.view(-1, t)[:grid.real] * mask
+        ent = ent.view(-1, t)[:grid.real] * mask if ent is not None else None
+        return logp, ent
+
+    def _run(self, grids: list[_Grid], rows: int, width: int, loss: Callable, *, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(data_iterator, model):
+            grid = next(data_iterator)
+            output = model(grid.tokens, grid.positions, None)
+            return output, lambda out: loss(out, grid)
+
+        many = len(self.model) > 1
+        iterators = [iter(grids) for _ in self.model] if many else iter(grids)
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iterators, model=self.model if many else self.model[0],
+            num_microbatches=len(grids), seq_length=width, micro_batch_size=rows, forward_only=forward_only)
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def compute_logprobs(self, batch: RolloutBatch, *, temperature: float, micro_batch_size: int,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs ``[B, T]`` (and entropy) of the batch's responses on every rank (computed on the
+        last pipeline stage, broadcast over the pipeline group)."""
+        for m in self.model:
+            m.eval()
+        grids, rows, width = self._grids(self.micro_batches(batch, micro_batch_size=micro_batch_size))
+        zero = torch.zeros((), device=self.device)
+
+        def loss(output, grid):
+            logp, ent = self._response_logprobs(output, grid, temperature, "detached" if with_entropy else "none")
+            return zero, torch.ones((), dtype=torch.int, device=self.device), {"logp": logp, "ent": ent}
+
+        outputs = self._run(grids, rows, width, loss, forward_only=True)
+        for m in self.model:
+            m.train(self.trainable)
+        shape = (len(batch), batch.response_len)
+        logprobs = torch.cat([o["logp"] for o in outputs]) if self.is_last_stage else torch.empty(shape, device=self.device)
+        entropy = None
+        if with_entropy:
+            entropy = torch.cat([o["ent"] for o in outputs]) if self.is_last_stage else torch.empty(shape, device=self.device)
+        if self.layout.pp > 1:
+            dist.broadcast(logprobs, src=self.pp_ranks[-1], group=self.pp_group)
+            if entropy is not None:
+                dist.broadcast(entropy, src=self.pp_ranks[-1], group=self.pp_group)
+        return logprobs, entropy
+
+    # ------------------------------------------------------------------ update
+    def train_mini_batch(self, micro_batches: list[RolloutBatch], loss_fn: LossFn, *, temperature: float,
+                         need_entropy_grad: bool) -> dict[str, float]:
+        """One optimizer step over ``micro_batches``; returns grad_norm and lr (same on every rank)."""
+        assert self.optimizer is not None and self.actor is not None, "reference engine cannot train"
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        grids, rows, width = self._grids(micro_batches)
+
+        def loss(output, grid):
+            logp, ent = self._response_logprobs(output, grid, temperature, "grad" if need_entropy_grad else "detached")
+            value, _ = loss_fn(logp, ent, grid.micro)
+            return value, torch.ones((), dtype=torch.int, device=self.device), {}
+
+        self._run(grids, rows, width, loss, forward_only=False)
+        actor = self.actor
+        lr = actor.lr * lr_lambda(self.updates, warmup=actor.warmup_steps, total=self.total_updates,
+                                  schedule=actor.lr_schedule, min_ratio=actor.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+            group["weight_decay"] = actor.weight_decay * group.get("wd_mult", 1.0)
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(grad_norm):
+            # the norm is reduced over every model- and data-parallel rank: all take this branch
+            raise FloatingPointError(
+                f"non-finite gradient norm ({grad_norm}) in the actor update: the loss or the "
+                "model produced NaN/inf. Lower --actor.lr, check the reward values, or resume from "
+                "the last checkpoint; the optimizer step was skipped and no weights changed")
+        if actor.grad_clip > 0:
+            self.optimizer.clip_grad_norm(actor.grad_clip)
+        self.optimizer.step_with_ready_grads()
+        self.updates += 1
+        return {"grad_norm": grad_norm, "lr": lr}
+
+    # ------------------------------------------------------------------ weights out
+    @torch.no_grad()
+    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, one conversion unit at a time, on every rank (collective)."""
+        yield from export_hf_weights(self._chunks(), self.spec, self.hf_shapes,
+                                     layers_per_chunk=self.layers_per_chunk, dtype=dtype)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's model shards and optimizer state, keyed by global rank: a checkpoint
+        resumes on the same world size and megatron layout."""
+        rank = dist.get_rank()
+        out = {f"rank{rank}/model/{c}/{name}": p.data
+               for c, chunk in enumerate(self.model) for name, p in chunk.named_parameters()}
+        if self.optimizer is not None:
+            optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            for k, opt in enumerate(optimizers):
+                inner = opt.optimizer
+                for g, group in enumerate(inner.param_groups):
+                    for i, param in enumerate(group["params"]):
+                        key = f"rank{rank}/optim/{k}/{g}/{i}"
+                        out[f"{key}/param"] = param.data
+                        for name, value in inner.state.get(param, {}).items():
+                            if isinstance(value, torch.Tensor):
+                                out[f"{key}/{name}"] = value
+        return out
+
+    def _ensure_optimizer_state(self) -> None:
+        """Create AdamW state (a zero-lr step: weights unchanged) so a load has tensors to fill."""
+        assert self.optimizer is not None
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        if all(opt.optimizer.state for opt in optimizers):
+            return
+        for opt in optimizers:
+            for group in opt.optimizer.param_groups:
+                saved = group["lr"]
+                group["lr"] = 0.0
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+                opt.optimizer.step()
+                for p in group["params"]:
+                    p.grad = None
+                group["lr"] = saved
+
+    def state_dict(self) -> dict[str, object]:
+        if self.optimizer is not None:
+            self._ensure_optimizer_state()
+        state: dict[str, object] = {"tensors": self._local_tensors()}
+        if self.optimizer is not None:
+            state["scheduler"] = {"updates": self.updates}
+        return state
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore what :meth:`state_dict` returned (DCP filled the tensors in place); model shards
+        are loaded into the parameters, and step counts back into AdamW's state."""
+        mine = self._local_tensors()
+        for key, value in state["tensors"].items():  # type: ignore[union-attr]
+            if value is not mine[key]:
+                mine[key].copy_(value)
+        if self.optimizer is not None:
+            self.updates = int(state["scheduler"]["updates"])  # type: ignore[index]
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.actor.lr * lr_lambda(  # type: ignore[union-attr]
+                    self.updates, warmup=self.actor.warmup_steps, total=self.total_updates,  # type: ignore[union-attr]
+                    schedule=self.actor.lr_schedule, min_ratio=self.actor.min_lr_ratio)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ memory between phases
+    def offload(self) -> None:
+        """Parameter / optimizer offload is not implemented for the megatron engine (a no-op)."""
+
+    def onload(self, *, optimizer: bool = False) -> None:
+        """See :meth:`offload`."""

@@ -1,0 +1,166 @@
+"""A megatron-core GPT model built from a Hugging Face config (Llama / Qwen2 / Mistral dense,
+Mixtral-shaped MoE), with megatron-core's local layer spec (no TransformerEngine needed).
+
+    spec = ModelSpec.from_hf(hf_config)                      # what we support, checked
+    chunks = build_chunks(spec, layout, params_dtype=torch.float32)   # one GPTModel per vpp stage
+
+``check_layout(spec, layout)`` raises ``ValueError`` naming the flag when the model cannot be
+split as asked (heads % tp, layers % (pp * vpp), experts % ep, cp without TransformerEngine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from spmd_rl.dist.dims import MegatronLayout
+
+TE_INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]'  (needs CUDA and a matching torch)"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a supported HF decoder, in the terms both conversions need."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    eps: float
+    rope_theta: float
+    max_positions: int
+    tied: bool
+    qkv_bias: bool
+    experts: int = 0
+    """0 = dense MLP; else the number of routed experts (``moe_ffn`` wide each)."""
+    top_k: int = 0
+    moe_ffn: int = 0
+    family: str = "llama"
+    """``llama`` (Llama, Qwen2, Mistral) or ``mixtral``: where the HF names live."""
+
+    @staticmethod
+    def from_hf(config) -> "ModelSpec":
+        model_type = getattr(config, "model_type", "")
+        families = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "mixtral": "mixtral"}
+        if model_type not in families:
+            raise ValueError(f"actor.engine=megatron supports Hugging Face model types {sorted(families)}, "
+                             f"got {model_type!r}; use --actor.engine fsdp for this model")
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rope_type not in ("default", None):
+            raise ValueError(f"actor.engine=megatron supports the default RoPE only, the model has rope_type {rope_type!r}")
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        theta = theta if theta is not None else getattr(config, "rope_theta", 10000.0)
+        heads = config.num_attention_heads
+        family = families[model_type]
+        experts = top_k = moe_ffn = 0
+        if family == "mixtral":
+            experts, top_k, moe_ffn = config.num_local_experts, config.num_experts_per_tok, config.intermediate_size
+        return ModelSpec(
+            layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            ffn=config.intermediate_size, vocab=config.vocab_size, eps=config.rms_norm_eps,
+            rope_theta=float(theta), max_positions=config.max_position_embeddings,
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(getattr(config, "attention_bias", False)),
+            experts=experts, top_k=top_k, moe_ffn=moe_ffn, family=family,
+        )
+
+    def padded_vocab(self, tp: int) -> int:
+        """The vocabulary rounded up to a multiple of tp (megatron splits it evenly); the extra
+        rows are zero and never take part in a softmax (see :mod:`.vocab`)."""
+        return -(-self.vocab // tp) * tp
+
+
+def check_layout(spec: ModelSpec, layout: MegatronLayout) -> None:
+    """Raise ``ValueError`` naming the flag when the model cannot be split by ``layout``."""
+    tp, pp, vpp = layout.tp, layout.pp, layout.vpp
+    if spec.heads % tp or spec.kv_heads % tp:
+        raise ValueError(
+            f"actor.megatron.tp ({tp}) must divide the attention heads ({spec.heads}) and key/value heads "
+            f"({spec.kv_heads}) of the model")
+    if spec.ffn % tp or (spec.experts and spec.moe_ffn % layout.etp):  # type: ignore[operator]
+        raise ValueError(f"actor.megatron.tp ({tp}) and etp ({layout.etp}) must divide the MLP widths of the model "
+                         f"(intermediate {spec.ffn}, expert {spec.moe_ffn})")
+    if spec.layers % (pp * vpp):
+        raise ValueError(
+            f"actor.megatron.pp ({pp}) * actor.megatron.vpp ({vpp}) = {pp * vpp} must divide the model's "
+            f"{spec.layers} layers")
+    if layout.ep > 1 and not spec.experts:
+        raise ValueError(f"actor.megatron.ep ({layout.ep}) > 1 needs a mixture-of-experts model; this one is dense")
+    if spec.experts and spec.experts % layout.ep:
+        raise ValueError(f"actor.megatron.ep ({layout.ep}) must divide the model's {spec.experts} experts")
+    if layout.cp > 1 and importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError(
+            f"actor.megatron.cp ({layout.cp}) > 1 needs TransformerEngine: megatron-core implements context "
+            f"parallelism only in TransformerEngine's attention, which is not installed. Install it with "
+            f"{TE_INSTALL}, or use --actor.megatron.cp 1")
+    if layout.cp > 1:
+        raise ValueError(f"actor.megatron.cp ({layout.cp}) > 1 is not wired into this engine yet (it needs the "
+                         f"TransformerEngine layer spec); use --actor.megatron.cp 1")
+
+
+def transformer_config(spec: ModelSpec, layout: MegatronLayout, *, params_dtype: torch.dtype, bf16: bool,
+                       sequence_parallel: bool, batch_p2p_comm: bool):
+    """megatron-core ``TransformerConfig`` for ``spec`` on ``layout`` (dropout 0, no fused kernels,
+    per-token loss: the engine's loss is already globally normalised)."""
+    from megatron.core.transformer import TransformerConfig
+
+    moe = {}
+    if spec.experts:
+        moe = dict(num_moe_experts=spec.experts, moe_router_topk=spec.top_k, moe_ffn_hidden_size=spec.moe_ffn,
+                   moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                   moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                   moe_router_dtype="fp32", moe_permute_fusion=False)
+    return TransformerConfig(
+        num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
+        num_query_groups=spec.kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn,
+        normalization="RMSNorm", layernorm_epsilon=spec.eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        # perform_initialization: megatron marks tensor-parallel parameters (the attribute its gradient
+        # norm uses to count duplicates once) only while initialising them; the values are overwritten
+        use_cpu_initialization=not bf16, perform_initialization=True,
+        params_dtype=params_dtype, pipeline_dtype=torch.bfloat16 if bf16 else params_dtype, bf16=bf16,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp, sequence_parallel=sequence_parallel and layout.tp > 1,
+        calculate_per_token_loss=True, batch_p2p_comm=batch_p2p_comm, variable_seq_lengths=False,
+        **moe,
+    )
+
+
+def build_chunks(spec: ModelSpec, layout: MegatronLayout, config) -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), weights uninitialised (loaded next)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    try:  # deprecated in megatron-core 0.19, still the class that takes a layer spec
+        from megatron.core.models.gpt import GPTModel
+    except ImportError:  # pragma: no cover - layout of later releases
+        from megatron.core.models.gpt.gpt_model import GPTModel
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts or None, moe_grouped_gemm=False,
+                                          normalization="RMSNorm")
+    chunks = []
+    for stage in range(layout.vpp):
+        vp = stage if layout.vpp > 1 else None
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=layer_spec, vocab_size=spec.padded_vocab(layout.tp),
+            max_sequence_length=spec.max_positions,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=spec.tied, position_embedding_type="rope",
+            rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+            vp_stage=vp,
+        ))
+    return chunks
