@@ -207,3 +207,28 @@ def peak_flops(device: torch.device) -> float | None:
         if key in name:
             return value
     return None
+
+
+def grpo_step_flops(fm: Any, prompt_lens: list[int], response_lens: list[int], *, old_logprob: bool, ref: bool,
+                    ppo_epochs: int) -> dict[str, float]:
+    """Model FLOPs of one GRPO step's phases for these rows (``fm``: a
+    :class:`spmd_rl.models.FlopsModel`): rollout (prefill + decode), the old and reference
+    log-prob forwards when they run, and the update (forward + backward = 3 forwards per epoch).
+    Forwards score the ``sum(response_lens)`` positions that predict a response token."""
+    forward = fm.forward([p + r for p, r in zip(prompt_lens, response_lens)], head_tokens=sum(response_lens))
+    return {"gen": fm.rollout(prompt_lens, response_lens), "old_logprob": forward if old_logprob else 0.0,
+            "ref": forward if ref else 0.0, "update": 3.0 * forward * ppo_epochs}
+
+
+def phase_mfu(flops: dict[str, float], seconds: dict[str, float], *, peak: float, world: int) -> dict[str, float]:
+    """``perf/mfu/<phase>`` = the phase's FLOPs over its seconds times ``peak * world``, for the
+    phases that ran, plus ``perf/mfu`` for the whole step (all FLOPs over ``seconds["step"]``).
+    The rollout's time excludes the weight hot-swap (``weight_sync``), which is timed inside it."""
+    out: dict[str, float] = {}
+    for phase, work in flops.items():
+        s = seconds.get(phase, 0.0) - (seconds.get("weight_sync", 0.0) if phase == "gen" else 0.0)
+        if work > 0 and s > 0:
+            out[f"perf/mfu/{phase}"] = work / s / (peak * world)
+    if seconds.get("step", 0.0) > 0:
+        out["perf/mfu"] = sum(flops.values()) / seconds["step"] / (peak * world)
+    return out

@@ -42,8 +42,8 @@ from spmd_rl.dist.comm import all_gather_objects, broadcast_object, fail_togethe
 from spmd_rl.dist.env import DistEnv, format_rank_table
 from spmd_rl.dist.world import RunGroups, build_run_groups
 from spmd_rl.engine.fsdp import FSDPEngine
-from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, peak_flops
-from spmd_rl.models import load_tokenizer, model_flops_per_token, resolve_model_path
+from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, grpo_step_flops, peak_flops, phase_mfu
+from spmd_rl.models import FlopsModel, load_tokenizer, resolve_model_path
 from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout
 
@@ -70,12 +70,11 @@ class Trainer:
         self.plan = dims.plan(cfg, env.world_size, env.local_world_size) if groups is None else groups.plan
         if cfg.actor.engine != "fsdp":
             raise ValueError("actor.engine=megatron is not supported yet; use --actor.engine fsdp")
-        if cfg.rollout.backend != "native":
-            raise ValueError("rollout.backend=vllm is not supported yet; use --rollout.backend native")
-        if cfg.rollout.tp * cfg.rollout.pp > 1:
+        if cfg.rollout.backend == "native" and cfg.rollout.tp * cfg.rollout.pp > 1:
             raise ValueError(
                 f"rollout.tp ({cfg.rollout.tp}) * rollout.pp ({cfg.rollout.pp}) > 1 needs a sharded rollout "
-                "engine; the native engine holds a whole model per rank: use --rollout.tp 1 --rollout.pp 1"
+                "engine; the native engine holds a whole model per rank: use --rollout.tp 1 --rollout.pp 1 "
+                "or --rollout.backend vllm"
             )
         groups = groups or build_run_groups(self.plan, env)
         self.pools = groups.pools
@@ -143,22 +142,36 @@ class Trainer:
                 trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id,
                 param_offload=cfg.ref.param_offload, **layout,
             )
+        self.rollout_dp = self.plan.rollout_dp_rank(self.pool.rank)
+        self.rollout_dp_size = self.plan.rollout_dp_size
+        # The tp x pp ranks of one rollout replica generate the same rows; each keeps a contiguous
+        # share (mp rank), so rank order (dp, mp) = pool rank order is the global row order.
+        coords = self.plan.rollout.coords(self.pool.rank)
+        self.rollout_mp_size = cfg.rollout.tp * cfg.rollout.pp
+        self.rollout_mp = coords["pp"] * cfg.rollout.tp + coords["tp"]
+        self.rollout_src = ((self.pool.rank, self.pool.size) if self.rollout_mp_size > 1
+                            else (self.rollout_dp, self.rollout_dp_size))
+        options = {}
+        if cfg.rollout.backend == "vllm":  # seed: the same inside a replica, different across replicas
+            options = dict(tp=cfg.rollout.tp, pp=cfg.rollout.pp, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                           max_model_len=cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+                           seed=cfg.trainer.seed * 1_000_003 + self.rollout_dp)
         self.rollout = build_rollout(
             cfg.rollout.backend, model_folder=self.model_folder, device=dev,
             dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
             batch_size=cfg.rollout.batch_size, pad_token_id=self.pad_id, eos_token_ids=self.eos_ids,
-            trust_remote_code=cfg.model.trust_remote_code,
+            trust_remote_code=cfg.model.trust_remote_code, **options,
         )
         self.weights_stale = False
-        self.rollout_dp = self.plan.rollout_dp_rank(self.pool.rank)
-        self.rollout_dp_size = self.plan.rollout_dp_size
+        # Old log-probs: needed for several optimizer steps per batch, and by the IS correction
+        # (the trainer's own log-probs of the sampling policy).
+        self.need_old_logprobs = self.updates_per_step > 1 or cfg.algo.rollout_is != "none"
         self.actor_dp = self.plan.actor_dp_rank(self.pool.rank)
         self.actor_dp_size = self.plan.actor_dp_size
         # The sp ranks of a dp group hold the same rows: only sp rank 0 adds them to sums over the
         # pool (token counts for the loss, summed metrics); weighted means are unaffected.
         self.sum_weight = 1.0 if self.plan.ulysses.coords(self.pool.rank)["sp"] == 0 else 0.0
-        self.flops_per_token = model_flops_per_token(
-            self.actor.config, seq_len=cfg.data.max_prompt_length // 2 + cfg.rollout.max_new_tokens)
+        self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.step = 0
         self.checkpointer.track(model_folder=self.model_folder, actor=self.actor, sampler=self.sampler)
@@ -181,7 +194,7 @@ class Trainer:
                     batch = self.generate(acc, timer)
                 with timer("reward"):
                     self.score(batch, acc)
-                batch = relayout(batch, src=(self.rollout_dp, self.rollout_dp_size),
+                batch = relayout(batch, src=self.rollout_src,
                                  dst=(self.actor_dp, self.actor_dp_size), group=self.group, pad_token_id=self.pad_id)
                 with timer("old_logprob"):
                     self.old_logprobs(batch, acc)
@@ -230,6 +243,9 @@ class Trainer:
             },
             extras={"sample": [indices[i] for i in rows]},
         )
+        if self.rollout_mp_size > 1:  # every rank of the replica holds these rows: keep a share
+            share = len(batch) // self.rollout_mp_size
+            batch = batch.select(range(self.rollout_mp * share, (self.rollout_mp + 1) * share))
         lengths = batch["response_mask"].sum(1)
         for length in lengths.tolist():
             acc.add("response_length/mean", length)
@@ -242,7 +258,7 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Hot-swap: stream the actor's full tensors into the rollout engine (all ranks together)."""
-        if not self.weights_stale:
+        if not self.weights_stale and not self.rollout.needs_weights:
             return
         dtype = torch.bfloat16 if self.env.device.type == "cuda" else None
         self.rollout.load_weights(self.actor.named_full_tensors(dtype=dtype))
@@ -268,8 +284,9 @@ class Trainer:
 
     def old_logprobs(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
         # On-policy with a single optimizer step per batch, the update's own log-probs (detached)
-        # are the old ones: ratio == 1 exactly, and a whole forward pass is saved.
-        if self.updates_per_step == 1:
+        # are the old ones: ratio == 1 exactly, and a whole forward pass is saved (unless the IS
+        # correction needs them).
+        if not self.need_old_logprobs:
             return
         logprobs, _ = self.actor.compute_logprobs(batch, temperature=self.temperature,
                                                   micro_batch_size=self.cfg.actor.micro_batch_size)
@@ -306,10 +323,11 @@ class Trainer:
                     mask = micro["response_mask"].to(device)
                     old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else logprobs.detach()
                     ref = micro["ref_logprobs"].to(device) if "ref_logprobs" in micro else None
+                    sampled = micro["rollout_logprobs"].to(device) if cfg.algo.rollout_is != "none" else None
                     loss, metrics = actor_objective(
                         logprobs, entropy, old_logprobs=old, advantages=micro["advantages"].to(device),
                         response_mask=mask, ref_logprobs=ref, algo=cfg.algo,
-                        global_tokens=global_tokens, global_seqs=global_seqs)
+                        global_tokens=global_tokens, global_seqs=global_seqs, rollout_logprobs=sampled)
                     tokens = mask.sum().item()
                     for key, value in metrics.items():
                         if key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
@@ -331,7 +349,13 @@ class Trainer:
     def finish_step(self, batch: RolloutBatch, acc: MetricAccumulator, timer: StageTimer) -> dict[str, float]:
         mask = batch["response_mask"]
         acc.add_sum("perf/total_tokens", (mask.sum().item() + sum(len(p) for p in batch.prompts)) * self.sum_weight)
+        phases = grpo_step_flops(self.flops, [len(p) for p in batch.prompts], mask.sum(1).long().tolist(),
+                                 old_logprob=self.updates_per_step > 1, ref=self.ref is not None,
+                                 ppo_epochs=self.cfg.actor.ppo_epochs)
+        for phase, flops in phases.items():
+            acc.add_sum(f"perf/flops/{phase}", flops * self.sum_weight)
         metrics = acc.reduce(self.group)
+        flops = {phase: metrics.pop(f"perf/flops/{phase}") for phase in phases}
         for name, seconds in timer.seconds.items():
             metrics[f"timing_s/{name}"] = seconds  # the loop is lockstep: rank 0's clock speaks for all
         step_s = max(timer.seconds["step"], 1e-9)
@@ -339,11 +363,8 @@ class Trainer:
         gen_tokens = metrics.pop("perf/gen_tokens")
         metrics["perf/gen_tokens_per_s"] = gen_tokens / max(timer.seconds.get("gen", 1e-9), 1e-9)
         peak = peak_flops(self.env.device)
-        if peak:
-            tokens = metrics["perf/tokens_per_s"] * step_s
-            passes = 3 * self.cfg.actor.ppo_epochs + (1 if self.ref else 0) + (1 if self.updates_per_step > 1 else 0)
-            flops = self.flops_per_token / 3 * tokens * passes  # 2N per forward, 4N per backward
-            metrics["perf/mfu"] = flops / step_s / (peak * dist.get_world_size(self.group))
+        if peak:  # perf/mfu/<phase> and perf/mfu for the step; none on CPU or unknown GPUs
+            metrics.update(phase_mfu(flops, timer.seconds, peak=peak, world=dist.get_world_size(self.group)))
         self.sink.log(metrics, self.step)
         return metrics
 
@@ -362,6 +383,10 @@ class Trainer:
                 prompt_ids, n=1, temperature=self.cfg.rollout.val_temperature,
                 top_p=1.0, top_k=0, max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)
             responses = [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)]
+        if self.rollout_mp_size > 1:  # the replica's ranks got the same answers: each scores a share
+            part = math.ceil(len(mine) / self.rollout_mp_size)
+            keep = range(self.rollout_mp * part, min((self.rollout_mp + 1) * part, len(mine)))
+            mine, prompt_ids, responses = ([xs[i] for i in keep] for xs in (mine, prompt_ids, responses))
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True) if responses else []  # [] -> ['']
         # every rank scores, also with no prompts: scoring is collective (fail_together, reward model)
         result = self.reward([self.val_samples[i] for i in mine], texts, prompt_ids, responses)

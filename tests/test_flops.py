@@ -69,3 +69,19 @@ def test_unsupported_shapes_say_why() -> None:
         FlopsModel.from_config(Mla())
     with pytest.raises(ValueError, match="none of the attributes"):
         FlopsModel.from_config(type("NoHidden", (), {})())
+
+
+def test_grpo_step_flops_and_phase_mfu() -> None:
+    from spmd_rl.metrics import grpo_step_flops, phase_mfu
+
+    fm = FlopsModel.from_config(CONFIGS["qwen2-untied-bias"])
+    prompts, responses = [4, 6], [3, 1]
+    phases = grpo_step_flops(fm, prompts, responses, old_logprob=False, ref=True, ppo_epochs=2)
+    fwd = fm.forward([7, 7], head_tokens=4)
+    assert phases == {"gen": fm.forward([6], head_tokens=3) + fm.forward([6], head_tokens=1),
+                      "old_logprob": 0.0, "ref": fwd, "update": 6 * fwd}
+    seconds = {"gen": 3.0, "weight_sync": 1.0, "ref": 0.5, "update": 2.0, "old_logprob": 0.0, "step": 8.0}
+    mfu = phase_mfu(phases, seconds, peak=1e3, world=2)
+    assert mfu == pytest.approx({"perf/mfu/gen": phases["gen"] / 2.0 / 2e3, "perf/mfu/ref": fwd / 0.5 / 2e3,
+                                 "perf/mfu/update": 6 * fwd / 2.0 / 2e3,
+                                 "perf/mfu": (phases["gen"] + 7 * fwd) / 8.0 / 2e3})
