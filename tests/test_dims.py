@@ -331,6 +331,27 @@ def test_plan_batch_rules(cfg_kw: dict, world: int, match: str) -> None:
         plan(make_cfg(**cfg_kw), world)
 
 
+def test_plan_rollout_replica_rules() -> None:
+    cfg = make_cfg(train=2, mini=2, sp=4, rtp=4)  # one replica of tp 4 on 4 ranks
+    cfg.rollout.n = 1
+    with pytest.raises(ValueError, match=r"data\.train_batch_size \(2\) / rollout data-parallel size \(1\) \* "
+                                         r"rollout\.n \(1\) = 2 responses per rollout replica must be divisible by "
+                                         r"rollout\.tp \(4\) \* rollout\.pp \(1\)"):
+        plan(cfg, 4)
+    cfg.rollout.n = 2
+    assert plan(cfg, 4).rollout_dp_size == 1  # 4 rows: one per rank
+    cfg = make_cfg(train=2, mini=2, sp=8, rtp=4, rpp=2)
+    cfg.rollout.n = 3
+    with pytest.raises(ValueError, match=r"= 6 responses per rollout replica must be divisible by rollout\.tp \(4\) "
+                                         r"\* rollout\.pp \(2\)"):
+        plan(cfg, 8)
+    vllm = make_cfg(train=6, mini=6, reward=2)
+    vllm.rollout.backend = "vllm"
+    with pytest.raises(ValueError, match=r"rollout\.backend=vllm lays its groups over the whole world, so every rank "
+                                         r"must be in the global pool: set --pools\.reward-ranks 0 \(got 2\)"):
+        plan(vllm, 8)
+
+
 def test_plan_batch_rules_pass() -> None:
     assert plan(make_cfg(train=8, mini=4, sp=2, rtp=2), 8).actor_prompts_per_mini_batch == 1
     p = plan(make_cfg(train=8, mini=4, engine="megatron", tp=2, rtp=2), 8)

@@ -539,6 +539,18 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
             f"actor.ppo_mini_batch_size ({mb}) must be divisible by the actor data-parallel size ({adp}) = {why}, "
             f"so that all rollout.n ({cfg.rollout.n}) responses of a prompt stay on one rank"
         )
+    mp = rollout.tp * rollout.pp
+    if (tb // rdp) * cfg.rollout.n % mp:
+        raise ValueError(
+            f"data.train_batch_size ({tb}) / rollout data-parallel size ({rdp}) * rollout.n ({cfg.rollout.n}) = "
+            f"{tb // rdp * cfg.rollout.n} responses per rollout replica must be divisible by rollout.tp ({rollout.tp}) "
+            f"* rollout.pp ({rollout.pp}), so that every rank of a replica keeps the same share"
+        )
+    if cfg.rollout.backend == "vllm" and reward is not None:
+        raise ValueError(
+            f"rollout.backend=vllm lays its groups over the whole world, so every rank must be in the global pool: "
+            f"set --pools.reward-ranks 0 (got {cfg.pools.reward_ranks}) or use --rollout.backend native"
+        )
     return Plan(
         world_size=world_size, nproc_per_node=nproc_per_node, engine=engine, pools=tuple(specs),
         fsdp=fsdp, ulysses=ulysses, megatron=megatron, rollout=rollout, reward_fsdp=reward_fsdp,
