@@ -350,7 +350,7 @@ class Trainer:
         mask = batch["response_mask"]
         acc.add_sum("perf/total_tokens", (mask.sum().item() + sum(len(p) for p in batch.prompts)) * self.sum_weight)
         phases = grpo_step_flops(self.flops, [len(p) for p in batch.prompts], mask.sum(1).long().tolist(),
-                                 old_logprob=self.updates_per_step > 1, ref=self.ref is not None,
+                                 old_logprob=self.need_old_logprobs, ref=self.ref is not None,
                                  ppo_epochs=self.cfg.actor.ppo_epochs)
         for phase, flops in phases.items():
             acc.add_sum(f"perf/flops/{phase}", flops * self.sum_weight)
