@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import importlib.util
 import os
 import sys
 import typing
@@ -480,6 +481,21 @@ class Config:
             f"data.max_prompt_length ({self.data.max_prompt_length}) + rollout.max_new_tokens "
             f"({self.rollout.max_new_tokens}) = {longest}, the longest sequence",
         )
+        if self.actor.engine == "megatron":
+            _check(self.pools.reward_ranks == 0,
+                   f"actor.engine=megatron builds megatron-core's groups over the whole world, so it cannot run "
+                   f"with a separate reward pool (pools.reward_ranks={self.pools.reward_ranks}): set "
+                   f"--pools.reward-ranks 0 (the reward model then runs colocated)")
+            fsdp_only = [flag for flag, on in (("actor.use_packing", self.actor.use_packing),
+                                               ("actor.max_tokens_per_gpu", budget is not None),
+                                               ("actor.fsdp.ulysses_size", sp > 1)) if on]
+            _check(not fsdp_only, f"{', '.join(fsdp_only)} apply to actor.engine=fsdp only; unset them for "
+                                  f"actor.engine=megatron (which uses actor.micro_batch_size)")
+            _check(self.actor.megatron.cp == 1 or importlib.util.find_spec("transformer_engine") is not None,
+                   f"actor.megatron.cp ({self.actor.megatron.cp}) > 1 needs TransformerEngine: megatron-core "
+                   f"implements context parallelism only in TransformerEngine's attention, which is not "
+                   f"installed (pip install --no-build-isolation 'transformer_engine[pytorch]'); use "
+                   f"--actor.megatron.cp 1")
 
 
 # --------------------------------------------------------------------------- YAML and flags

@@ -69,6 +69,16 @@ RULES = [
       "--rollout.max-new-tokens", "256"],
      "actor.max_tokens_per_gpu (300) * actor.fsdp.ulysses_size (2) must be >= data.max_prompt_length (512) + "
      "rollout.max_new_tokens (256) = 768, the longest sequence"),
+    (["--actor.engine", "megatron", "--pools.reward-ranks", "1"],
+     "actor.engine=megatron builds megatron-core's groups over the whole world, so it cannot run with a separate "
+     "reward pool (pools.reward_ranks=1)"),
+    (["--actor.engine", "megatron", "--actor.use-packing"],
+     "actor.use_packing apply to actor.engine=fsdp only; unset them for actor.engine=megatron"),
+    (["--actor.engine", "megatron", "--actor.max-tokens-per-gpu", "4096", "--actor.fsdp.ulysses-size", "2"],
+     "actor.max_tokens_per_gpu, actor.fsdp.ulysses_size apply to actor.engine=fsdp only"),
+    (["--actor.engine", "megatron", "--actor.megatron.cp", "2"],
+     "actor.megatron.cp (2) > 1 needs TransformerEngine: megatron-core implements context parallelism only in "
+     "TransformerEngine's attention"),
 ]
 
 
