@@ -72,6 +72,11 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
             if not hasattr(layer, name):
                 return f"layer {i} has no {name}"
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            if not hasattr(getattr(layer, name), "variance_epsilon"):
+                return f"layer {i} {name} is not an RMSNorm with variance_epsilon"
+    if not hasattr(inner.norm, "variance_epsilon"):
+        return "model.norm is not an RMSNorm with variance_epsilon"
     return None
 
 
@@ -79,11 +84,6 @@ def batch_buckets(max_batch: int) -> list[int]:
     """Batch sizes that get a CUDA graph: powers of two below ``max_batch``, then ``max_batch``."""
     buckets = [1 << i for i in range(max_batch.bit_length()) if (1 << i) < max_batch]
     return buckets + [max_batch]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class FastDecoder:
@@ -160,17 +160,23 @@ class FastDecoder:
         self._slot = torch.zeros(1, dtype=torch.long, device=dev)     # the slot this step writes
         self._temp = torch.ones(1, dtype=torch.float32, device=dev)   # logits are divided by it
         self._slots = torch.arange(slots, device=dev)
-        self._cos = torch.zeros(slots, self.head_dim, dtype=dtype, device=dev)
-        self._sin = torch.zeros_like(self._cos)
+        self._cos = torch.zeros(slots, self.head_dim, dtype=dtype, device=dev)  # RoPE table by position
+        self._sin = torch.zeros_like(self._cos)  # sin with the first half negated (see _rope)
 
     # ------------------------------------------------------------------ forward pieces
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + rotate_half(x) * sin
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """HF's ``x * cos + rotate_half(x) * sin`` in three kernels: ``rotate_half(x) = roll(x) * [-1, 1]``."""
+        return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), signed_sin)
+
+    @staticmethod
+    def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """HF's RMSNorm (float32 statistics, cast back, times the weight) with the fused ``F.rms_norm``."""
+        return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
     def _head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Final norm and ``lm_head`` of ``x [b, h]`` -> ``logits / T`` (float32 ``[b, V]``) and its logsumexp."""
-        scaled = self.model.lm_head(self.inner.norm(x)).float() / self._temp
+        scaled = self.model.lm_head(self._rms(self.inner.norm, x)).float() / self._temp
         return scaled, torch.logsumexp(scaled, dim=-1)
 
     def _prefill(self, ids: torch.Tensor, pad: torch.Tensor, row0: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,11 +186,12 @@ class FastDecoder:
         pos = (ar[None, :] - pad[:, None]).clamp(min=0)
         allowed = (ar[:, None] >= ar[None, :])[None] & (ar[None, :] >= pad[:, None])[:, None, :]
         allowed = (allowed | torch.eye(length, dtype=torch.bool, device=ids.device))[:, None]  # [b, 1, P, P]
-        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [b, 1, P, D]
         x = self.inner.embed_tokens(ids)
+        bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
+        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [b, 1, P, D]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            h = self._rms(layer.input_layernorm, x)
             q = attn.q_proj(h).view(b, length, self.heads, self.head_dim).transpose(1, 2)
             k = attn.k_proj(h).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
             v = attn.v_proj(h).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -193,21 +200,23 @@ class FastDecoder:
             self.cache[i, 1, row0:row0 + b, :, :length] = v
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scaling)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scaling)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, length, self.heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.mlp(self._rms(layer.post_attention_layernorm, x))
         return self._head(x[:, -1])
 
     def _decode(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step for cache rows ``0..rows-1``; advances the position and slot counters."""
         pos = self._pos[:rows]
         valid = (self._slots[None, :] >= self._pad[:rows, None]) & (self._slots[None, :] <= self._slot)
-        mask = valid[:, None, None, :]  # [rows, 1, 1, slots], broadcast over kv heads and their query group
-        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [rows, 1, D]
         x = self.inner.embed_tokens(self._tok[:rows])
+        # Additive mask [rows, 1, 1, slots], built once per step, broadcast over KV heads and query groups.
+        bias = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill_(~valid, float("-inf"))
+        bias = bias[:, None, None, :]
+        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [rows, 1, D]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
+            h = self._rms(layer.input_layernorm, x)
             q = self._rope(attn.q_proj(h).view(rows, self.heads, self.head_dim), cos, sin)
             k = self._rope(attn.k_proj(h).view(rows, self.kv_heads, self.head_dim), cos, sin)
             v = attn.v_proj(h).view(rows, self.kv_heads, self.head_dim)
@@ -215,9 +224,9 @@ class FastDecoder:
             k_cache.index_copy_(2, self._slot, k[:, :, None])
             v_cache.index_copy_(2, self._slot, v[:, :, None])
             q = q.view(rows, self.kv_heads, self.group, self.head_dim)  # query heads of one KV head together
-            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=self.scaling)
+            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=self.scaling)
             x = x + attn.o_proj(o.reshape(rows, self.heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.mlp(self._rms(layer.post_attention_layernorm, x))
         out = self._head(x)
         self._pos[:rows] += 1
         self._slot += 1
@@ -279,8 +288,9 @@ class FastDecoder:
         cur = self.bucket(b)
         self._ensure_cache(cur, longest + max_new_tokens)
         cos, sin = self.inner.rotary_emb(self._cos[None], self._slots[None])  # same table as HF's forward
+        half = self.head_dim // 2
         self._cos.copy_(cos[0])
-        self._sin.copy_(sin[0])
+        self._sin.copy_(torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1))  # rotate_half's sign folded in
 
         ids = torch.full((b, longest), self.pad_token_id, dtype=torch.long)
         for i, r in enumerate(rows):

@@ -10,10 +10,18 @@ streams the actor's weights into it with :meth:`NativeRollout.load_weights` befo
 How a call runs: the ``len(prompts) * n`` rows are sorted by prompt length (less padding) and cut
 into chunks of ``batch_size``. Each chunk is LEFT-padded and prefilled once with an attention mask
 and ``position_ids = cumsum(mask) - 1``, so a prompt gets the same positions as it would alone;
-then :meth:`NativeRollout._decode_step` runs one token at a time over the KV cache
-(``DynamicCache``). Sampling happens on the device with one ``torch.Generator`` seeded by ``seed``;
-the same seed, rows and ``batch_size`` give the same responses. A row stops at its first EOS id and
-gets pad tokens afterwards; the chunk stops when every row has stopped.
+then one token at a time is decoded over a KV cache. Sampling happens on the device with one
+``torch.Generator`` seeded by ``seed``; the same seed, rows and ``batch_size`` give the same
+responses. A row stops at its first EOS id and gets pad tokens afterwards; the chunk stops when
+every row has stopped.
+
+Two decode loops, the same outputs (greedy: token for token; tests/test_rollout_fast.py):
+
+* the fast path (:mod:`spmd_rl.rollout.fast`, on by default for Llama / Qwen2 / Mistral shapes, CPU
+  and GPU): static KV cache, the decode step as a CUDA graph per batch bucket, finished rows
+  compacted into smaller buckets. ``sleep`` frees its cache and graphs, ``wake_up`` reallocates;
+* the Hugging Face loop (``fast_decode=False``, other model types, or a call longer than the model's
+  sliding window; a warning says why): ``DynamicCache`` and :meth:`NativeRollout._decode_step`.
 
 Log-probs (must match the trainer's recomputation): ``log_softmax(logits / T)`` at the chosen token,
 ``T = temperature`` or 1.0 when greedy (temperature 0), over the FULL vocabulary, i.e. BEFORE top-k /
