@@ -38,12 +38,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .sampling import filter_logits
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # RoPE types whose cos/sin depend on the position only (dynamic / longrope rescale with the length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# SDPA kernels the path may use: masked attention runs the memory-efficient kernel on CUDA (flash takes
+# no mask) and the fused CPU kernel on CPU; a known, graph-capturable choice on every torch version.
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -90,7 +94,7 @@ class FastDecoder:
     """Static-cache, graph-captured decoding over a HF Llama / Qwen2 / Mistral model (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_batch: int, pad_token_id: int,
-                 prefill_tokens: int = 16384) -> None:
+                 prefill_tokens: int = 16384, compile_backend: str | None = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FastDecoder: {reason}")
@@ -119,6 +123,10 @@ class FastDecoder:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
         self.compactions = 0  # how many times live rows moved to a smaller bucket (tests read it)
+        # Optional: fuse the step's elementwise work with torch.compile (one compile per bucket; the
+        # result is still captured in this class's CUDA graphs). Off by default: compiling costs minutes.
+        self._decode_fn = self._decode if compile_backend is None else torch.compile(
+            self._decode, backend=compile_backend, dynamic=False)
 
     # ------------------------------------------------------------------ memory
 
@@ -234,7 +242,7 @@ class FastDecoder:
 
     def _step(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.use_graphs:
-            return self._decode(rows)
+            return self._decode_fn(rows)
         entry = self._graphs.get(rows)
         if entry is None:
             entry = self._capture(rows)
@@ -249,7 +257,7 @@ class FastDecoder:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._decode(rows)  # lazy library workspaces are set up outside the capture
+                self._decode_fn(rows)  # lazy library workspaces (and a compile) happen outside the capture
             torch.cuda.current_stream().wait_stream(side)
             self._pos.copy_(pos)
             self._slot.copy_(slot)
@@ -257,7 +265,7 @@ class FastDecoder:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                scaled, lse = self._decode(rows)
+                scaled, lse = self._decode_fn(rows)
         self._graphs[rows] = (graph, scaled, lse)
         return self._graphs[rows]
 
@@ -282,6 +290,14 @@ class FastDecoder:
         generator: torch.Generator, eos: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Same contract as ``NativeRollout._generate_chunk_hf``: ``tokens, mask, logprobs [b, t]``, ``truncated [b]``."""
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            return self._generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
+                                        max_new_tokens=max_new_tokens, generator=generator, eos=eos)
+
+    def _generate_chunk(
+        self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
+        generator: torch.Generator, eos: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         b, longest, dev = len(rows), max(len(r) for r in rows), self.device
         if b > self.buckets[-1]:
             raise ValueError(f"FastDecoder: {b} rows exceed rollout.batch_size ({self.buckets[-1]})")

@@ -60,6 +60,7 @@ class NativeRollout:
         eos_token_ids: list[int],
         trust_remote_code: bool = False,
         fast_decode: bool = True,
+        compile_backend: str | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
@@ -91,7 +92,7 @@ class NativeRollout:
             reason = unsupported_reason(self.model)
             if reason is None:
                 self._fast = FastDecoder(self.model, device=self.device, max_batch=batch_size,
-                                         pad_token_id=self.pad_token_id)
+                                         pad_token_id=self.pad_token_id, compile_backend=compile_backend)
             else:
                 log.warning("NativeRollout: fast decode is off (%s); using the Hugging Face decode loop", reason)
 
