@@ -11,7 +11,8 @@ vocabulary), so every row produces exactly ``--new-tokens`` tokens. tok/s = rows
 wall time of one call after a warm-up call (the engine's warm-up call captures its CUDA graphs;
 its time is shown as "first call"). "after sleep" is a call right after ``sleep(1)`` +
 ``wake_up()``, which frees and reallocates the KV cache and recaptures the graphs, as in training.
-``generate`` above ``--generate-max-batch`` rows is skipped (too slow to be worth the device time).
+``generate`` above ``--generate-max-batch`` rows is skipped, and a call that runs past
+``--generate-max-time`` stops there (its tok/s then counts the tokens it made; the table says so).
 
 The bandwidth ceiling is rows / (bytes a decode step must read / ``--bandwidth``): the weights a
 step uses (every linear layer, the norms and the ``lm_head``) plus the K/V of the mean context
@@ -70,8 +71,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--generate-max-batch", type=int, default=256,
+    parser.add_argument("--generate-max-batch", type=int, default=1024,
                         help="skip transformers.generate above this many rows")
+    parser.add_argument("--generate-max-time", type=float, default=45.0,
+                        help="stop a generate call after this many seconds (its max_time) and report the "
+                             "tokens it made by then")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="memory bandwidth, bytes/s (H200: 4.8e12)")
     parser.add_argument("--out", type=str, default=None, help="write the table rows here as JSON")
     parser.add_argument("--compile", action="store_true",
@@ -120,25 +124,28 @@ def main() -> None:
         after_sleep = timed(lambda: engine.generate(plist, seed=2, **sample), device)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
 
-        hf = None
+        hf, hf_tokens = None, 0
         if rows <= args.generate_max_batch:
             ids = prompts.to(device)
             kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                           pad_token_id=0)
             with torch.no_grad():
                 model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kwargs)  # warm-up
-                hf = timed(lambda: out.setdefault("hf", model.generate(ids, max_new_tokens=args.new_tokens,
-                                                                       min_new_tokens=args.new_tokens, **kwargs)),
-                           device)
-            assert out["hf"].shape == (rows, args.prompt_len + args.new_tokens), tuple(out["hf"].shape)
+                hf = timed(lambda: out.setdefault("hf", model.generate(
+                    ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                    max_time=args.generate_max_time, **kwargs)), device)
+            made = out["hf"].shape[1] - args.prompt_len
+            hf_tokens = rows * made
+            if made < args.new_tokens:
+                note += f"generate stopped by --generate-max-time after {made} of {args.new_tokens} tokens"
 
         context = args.prompt_len + (args.new_tokens - 1) / 2
         ceiling = rows * args.bandwidth / bytes_per_step(config, rows=rows, context=context,
                                                          dtype_bytes=torch.finfo(dtype).bits // 8)
         row = dict(rows=rows, fast_tok_s=tokens / fast, fast_ms_per_step=1e3 * fast / args.new_tokens,
                    first_call_s=first, after_sleep_s=after_sleep, fast_s=fast,
-                   generate_tok_s=tokens / hf if hf else None, generate_s=hf,
-                   ratio=(hf / fast) if hf else None, ceiling_tok_s=ceiling, fraction_of_ceiling=tokens / fast / ceiling,
+                   generate_tok_s=hf_tokens / hf if hf else None, generate_s=hf,
+                   ratio=(tokens / fast) / (hf_tokens / hf) if hf else None, ceiling_tok_s=ceiling, fraction_of_ceiling=tokens / fast / ceiling,
                    peak_gib=peak, graphs=sorted(engine._fast._graphs) if engine._fast else None, note=note)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
@@ -150,7 +157,7 @@ def main() -> None:
         ratio = f"{r['ratio']:6.1f}x" if r["ratio"] else f"{'-':>7}"
         print(f"{r['rows']:6d} {r['fast_tok_s']:11,.0f} {r['fast_ms_per_step']:8.2f} {gen_s} {ratio} "
               f"{r['ceiling_tok_s']:14,.0f} {r['fraction_of_ceiling']:10.1%} {r['first_call_s']:12.2f} "
-              f"{r['after_sleep_s']:13.2f}")
+              f"{r['after_sleep_s']:13.2f}" + (f"  ({r['note']})" if r["note"] else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=name, shape=args.shape, dtype=str(dtype),
                                                   prompt_len=args.prompt_len, new_tokens=args.new_tokens,
