@@ -264,7 +264,8 @@ class FastDecoder:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: CUDA calls of other threads (NCCL watchdog, pinned-memory copies) cannot spoil it
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 scaled, lse = self._decode_fn(rows)
         self._graphs[rows] = (graph, scaled, lse)
         return self._graphs[rows]
