@@ -16,7 +16,10 @@ its time is shown as "first call"). "after sleep" is a call right after ``sleep(
 
 The bandwidth ceiling is rows / (bytes a decode step must read / ``--bandwidth``): the weights a
 step uses (every linear layer, the norms and the ``lm_head``) plus the K/V of the mean context
-(prompt + half the new tokens), in the model dtype. ``--out`` writes the rows as JSON.
+(prompt + half the new tokens), in the model dtype. "graph ms" is one decode step alone (its CUDA
+graph replayed 32 times: the forward without sampling or host work), "TB/s" the bytes that step
+reads (weights + K/V of every cache slot, which is what it attends over) per second of it.
+``--out`` writes the rows as JSON.
 """
 
 from __future__ import annotations
@@ -119,6 +122,16 @@ def main() -> None:
             first = timed(lambda: out.setdefault("first", engine.generate(plist, seed=0, **sample)), device)
         fast = timed(lambda: out.setdefault("fast", engine.generate(plist, seed=1, **sample)), device)
         assert out["fast"].response_lengths.eq(args.new_tokens).all(), "EOS was not ignored"
+        replay_ms = replay_tb_s = None
+        fd = engine._fast
+        if fd.use_graphs and rows in fd._graphs:  # the decode step alone: replay its graph, no sampling
+            graph, slots = fd._graphs[rows][0], fd.cache.shape[4]
+            fd._slot.fill_(args.prompt_len)  # replays write slots prompt_len.. (< slots): cache stays in bounds
+            fd._pos[:rows].fill_(args.prompt_len)
+            reps = min(32, slots - args.prompt_len - 1)
+            replay_ms = 1e3 * timed(lambda: [graph.replay() for _ in range(reps)], device) / reps
+            replay_tb_s = bytes_per_step(config, rows=rows, context=slots, dtype_bytes=torch.finfo(dtype).bits // 8
+                                         ) / (replay_ms / 1e3) / 1e12
         engine.sleep(1)
         engine.wake_up()
         after_sleep = timed(lambda: engine.generate(plist, seed=2, **sample), device)
@@ -143,19 +156,23 @@ def main() -> None:
         ceiling = rows * args.bandwidth / bytes_per_step(config, rows=rows, context=context,
                                                          dtype_bytes=torch.finfo(dtype).bits // 8)
         row = dict(rows=rows, fast_tok_s=tokens / fast, fast_ms_per_step=1e3 * fast / args.new_tokens,
+                   graph_replay_ms=replay_ms, graph_replay_tb_s=replay_tb_s,
                    first_call_s=first, after_sleep_s=after_sleep, fast_s=fast,
                    generate_tok_s=hf_tokens / hf if hf else None, generate_s=hf,
-                   ratio=(tokens / fast) / (hf_tokens / hf) if hf else None, ceiling_tok_s=ceiling, fraction_of_ceiling=tokens / fast / ceiling,
-                   peak_gib=peak, graphs=sorted(engine._fast._graphs) if engine._fast else None, note=note)
+                   ratio=(tokens / fast) / (hf_tokens / hf) if hf else None, ceiling_tok_s=ceiling,
+                   fraction_of_ceiling=tokens / fast / ceiling, peak_gib=peak, graphs=sorted(fd._graphs), note=note)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
 
-    print(f"\n{'batch':>6} {'fast tok/s':>11} {'ms/step':>8} {'generate tok/s':>15} {'ratio':>7} "
+    print(f"\n{'batch':>6} {'fast tok/s':>11} {'ms/step':>8} {'graph ms':>8} {'TB/s':>5} {'generate tok/s':>15} "
+          f"{'ratio':>7} "
           f"{'ceiling tok/s':>14} {'of ceiling':>10} {'first call s':>12} {'after sleep s':>13}")
     for r in rows_out:
         gen_s = f"{r['generate_tok_s']:15,.0f}" if r["generate_tok_s"] else f"{'skipped':>15}"
         ratio = f"{r['ratio']:6.1f}x" if r["ratio"] else f"{'-':>7}"
-        print(f"{r['rows']:6d} {r['fast_tok_s']:11,.0f} {r['fast_ms_per_step']:8.2f} {gen_s} {ratio} "
+        graph_s = (f"{r['graph_replay_ms']:8.2f} {r['graph_replay_tb_s']:5.2f}" if r["graph_replay_ms"]
+                   else f"{'-':>8} {'-':>5}")
+        print(f"{r['rows']:6d} {r['fast_tok_s']:11,.0f} {r['fast_ms_per_step']:8.2f} {graph_s} {gen_s} {ratio} "
               f"{r['ceiling_tok_s']:14,.0f} {r['fraction_of_ceiling']:10.1%} {r['first_call_s']:12.2f} "
               f"{r['after_sleep_s']:13.2f}" + (f"  ({r['note']})" if r["note"] else ""))
     if args.out:

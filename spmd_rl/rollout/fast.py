@@ -290,7 +290,7 @@ class FastDecoder:
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
         generator: torch.Generator, eos: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Same contract as ``NativeRollout._generate_chunk_hf``: ``tokens, mask, logprobs [b, t]``, ``truncated [b]``."""
+        """As ``NativeRollout._generate_chunk_hf``: ``tokens, mask, logprobs [b, t]`` and ``truncated [b]``."""
         with sdpa_kernel(ATTENTION_BACKENDS):
             return self._generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
                                         max_new_tokens=max_new_tokens, generator=generator, eos=eos)
