@@ -20,8 +20,10 @@ gradient reduction; on CPU everything is fp32.
 Ulysses sequence parallelism (``sp_group``), packed sequences (``use_packing``) and token-budget
 micro-batches (``max_tokens_per_gpu``) live in :mod:`spmd_rl.engine.ulysses` and
 :mod:`spmd_rl.engine.packing`; with sp or packing the model runs our varlen SDPA attention
-function, otherwise transformers' stock SDPA. Every forward returns ``[B, T]`` response log-probs
-whatever the layout, so loss functions never see it.
+function (torch's flash varlen kernel on GPU, a block-diagonal SDPA mask on CPU), otherwise
+transformers' stock SDPA. Every forward returns ``[B, T]`` response log-probs whatever the layout,
+so loss functions never see it. The LM head is a :class:`~spmd_rl.engine.head.LogprobHead`: it
+scores only response positions, a chunk of positions at a time. On GPU AdamW is the fused kernel.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from spmd_rl.algo.losses import entropy_from_logits, logprobs_from_logits
 from spmd_rl.config import ActorConfig, FsdpConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.engine import packing, ulysses
+from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens
 from spmd_rl.models import load_causal_lm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, RolloutBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -89,11 +91,15 @@ class FSDPEngine:
         use_packing: bool = False,
         max_tokens_per_gpu: int | None = None,
         param_offload: bool | None = None,
+        logits_chunk_tokens: int | None = None,
+        compile_layers: bool = False,
     ) -> None:
         """``group``: every rank running this engine in lockstep (the pool; None = the world);
         dynamic micro-batch counts are agreed over it. ``sp_group``: this rank's Ulysses group
         (None or size 1 = off). ``param_offload`` overrides ``fsdp.param_offload`` (the reference
-        engine follows ``ref.param_offload``)."""
+        engine follows ``ref.param_offload``). ``logits_chunk_tokens``: positions per chunk of the
+        log-prob head (None = 1 GiB of fp32 logits per chunk, see :mod:`spmd_rl.engine.head`).
+        ``compile_layers``: ``torch.compile`` each decoder layer (GPU; names and state dict unchanged)."""
         if trainable and actor is None:
             raise ValueError("a trainable FSDPEngine needs the actor config section")
         self.device = device
@@ -112,6 +118,8 @@ class FSDPEngine:
         self.max_tokens_per_gpu = max_tokens_per_gpu
         # stock SDPA cannot see whole sequences from a slice, nor segments inside a packed row
         self.varlen_attention = self.sp_group is not None or use_packing
+        # on GPU with bf16 compute that attention is torch's flash varlen kernel; on CPU a dense mask
+        self.flash_varlen = self.varlen_attention and self.on_gpu and ulysses.flash_varlen_available()
 
         if self.varlen_attention:
             ulysses.register_attention()
@@ -120,14 +128,16 @@ class FSDPEngine:
         if self.sp_group is not None:
             ulysses.check_heads(model.config, self.sp_size)
         model.config.use_cache = False
-        self._head = _HeadInputs()  # a separate object: a bound-method hook would tie model and engine in a cycle
-        model.get_output_embeddings().register_forward_pre_hook(self._head)
+        self._head = LogprobHead.replace(model)  # log-probs at the requested positions, chunked over the vocab
+        self.logits_chunk_tokens = logits_chunk_tokens or default_chunk_tokens(int(model.config.vocab_size))
         if gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
             model.requires_grad_(False)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.on_gpu else MixedPrecisionPolicy()
         for layer in _decoder_layers(model):
+            if compile_layers:
+                layer.compile(dynamic=True)  # in place: module identity and parameter names stay
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
         for module in model.modules():
@@ -148,9 +158,9 @@ class FSDPEngine:
             self.optimizer = torch.optim.AdamW(
                 [p for p in model.parameters() if p.requires_grad],
                 lr=actor.lr, betas=tuple(actor.betas), weight_decay=actor.weight_decay,
-                # The fused/foreach paths need a device kernel for DTensor shards on every backend;
-                # the plain loop is the one that runs everywhere.
-                foreach=self.on_gpu,
+                # fused on GPU (one kernel over all DTensor shards); the plain loop on CPU, where
+                # the fused/foreach paths lack kernels for DTensor shards
+                fused=self.on_gpu, foreach=False,
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer,
@@ -167,7 +177,8 @@ class FSDPEngine:
         The micro-batch becomes a ``[R, W]`` grid (padded or packed); under Ulysses this rank
         feeds the model columns ``[lo, lo + W/k)`` and computes log-probs for the positions of its
         slice, which are then all-gathered over the sp group (gradient: own slice only). The head
-        runs only on positions that predict a valid response token (see :class:`_HeadInputs`).
+        runs only on positions that predict a valid response token, chunked over them so the
+        full-vocabulary logits never exist for the whole micro-batch (:class:`LogprobHead`).
         """
         flat = packing.flatten(micro, pad_token_id=self.pad_token_id, packed=self.use_packing, multiple=self.sp_size)
         width = flat.width // self.sp_size
@@ -178,13 +189,20 @@ class FSDPEngine:
         dev = self.device
         sel = (pos_rows[mine].to(dev), (pos_cols[mine] - lo).to(dev))  # in this rank's [R, W/k] slice
         extra: dict[str, object] = {}
-        if self.varlen_attention:
+        if self.flash_varlen:
+            cu, longest = ulysses.varlen_runs(flat.segment_ids)
+            extra["spmd_attn"] = ulysses.AttnSpec(cu_seqlens=cu.to(dev), max_seqlen=longest, sp_group=self.sp_group)
+            attention_mask = None
+        elif self.varlen_attention:
             extra["spmd_attn"] = ulysses.AttnSpec(mask=ulysses.block_causal_mask(flat.segment_ids.to(dev)),
                                                   sp_group=self.sp_group)  # [R, 1, W, W], built on the device
             attention_mask = None
         else:
             attention_mask = flat.attention_mask.to(dev)
-        self._head.positions = sel
+        labels = flat.labels[:, lo:lo + width].to(dev)[sel]
+        self._head.request = HeadRequest(positions=sel, labels=labels, entropy=entropy,  # type: ignore[arg-type]
+                                         temperature=temperature if temperature > 0 else 1.0,
+                                         chunk_tokens=self.logits_chunk_tokens)
         try:
             out = self.model(
                 input_ids=flat.input_ids[:, lo:lo + width].to(dev),
@@ -194,11 +212,8 @@ class FSDPEngine:
                 **extra,
             )
         finally:
-            self._head.positions = None
-        logits = out.logits[0].float()  # [N, V]: one row per selected position
-        if temperature > 0 and temperature != 1.0:
-            logits = logits / temperature
-        labels = flat.labels[:, lo:lo + width].to(dev)[sel]
+            self._head.request = None
+        scored = out.logits[0]  # [N, 2]: (log-prob, entropy) per selected position
         mask = micro["response_mask"].to(dev)
         rows, cols = flat.target_rows.to(dev), flat.target_cols.to(dev)
 
@@ -207,13 +222,8 @@ class FSDPEngine:
             full = ulysses.gather_sequence(local, self.sp_group, dim=1)
             return full[rows, cols] * mask
 
-        logprobs = to_responses(logprobs_from_logits(logits, labels))
-        if entropy == "grad":
-            return logprobs, to_responses(entropy_from_logits(logits))
-        if entropy == "detached":
-            with torch.no_grad():
-                return logprobs, to_responses(entropy_from_logits(logits.detach()))
-        return logprobs, None
+        logprobs = to_responses(scored[:, 0])
+        return logprobs, (None if entropy == "none" else to_responses(scored[:, 1]))
 
     def micro_batches(self, batch: RolloutBatch, *, micro_batch_size: int) -> list[RolloutBatch]:
         """Split ``batch`` into micro-batches: ``micro_batch_size`` rows each, or, with
@@ -293,12 +303,18 @@ class FSDPEngine:
         """Full HF-named tensors, one at a time (a collective per tensor: iterate on every rank).
 
         Peak extra memory is one full tensor, so the rollout engine can load weights without a
-        second full model copy on the device.
+        second full model copy on the device. Shards are cast to ``dtype`` BEFORE the gather
+        (half the traffic and the temporary for fp32 -> bf16); on a one-rank mesh the shard is
+        the whole tensor and no collective runs.
         """
         self.onload()
         for name, param in self.model.named_parameters():
-            tensor = param.full_tensor() if isinstance(param, DTensor) else param
-            yield name, (tensor.to(dtype) if dtype is not None else tensor)
+            tensor = param.detach()
+            if dtype is not None:
+                tensor = tensor.to(dtype)  # a DTensor stays a DTensor: each rank casts its shard
+            if isinstance(tensor, DTensor):
+                tensor = tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
+            yield name, tensor
         self.offload()
 
     # ------------------------------------------------------------------ checkpoints
@@ -361,21 +377,6 @@ class FSDPEngine:
         if optimizer and self.optimizer is not None and not self._optimizer_on_device:
             _move_optimizer_state(self.optimizer, self.device)
             self._optimizer_on_device = True
-
-
-class _HeadInputs:
-    """Forward pre-hook of the LM head: while ``positions`` is set (inside ``_forward``) the head
-    gets only the hidden states at those ``(row, col)`` positions, as ``[1, N, H]``, so logits
-    (the largest activation for big vocabularies) exist only where a log-prob is needed."""
-
-    def __init__(self) -> None:
-        self.positions: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def __call__(self, module: torch.nn.Module, args: tuple) -> tuple | None:
-        if self.positions is None:
-            return None
-        hidden, *rest = args
-        return (hidden[self.positions].unsqueeze(0), *rest)
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -4,7 +4,9 @@ attention interface (no model code is patched).
     register_attention()                                   # once; adds ATTENTION_NAME to transformers
     model = load_causal_lm(folder, ..., attn_implementation=ATTENTION_NAME)
     check_heads(model.config, sp)                          # ValueError naming the numbers
-    spec = AttnSpec(mask=block_causal_mask(segment_ids), sp_group=group)   # per forward
+    spec = AttnSpec(mask=block_causal_mask(segment_ids), sp_group=group)   # per forward (CPU)
+    cu, longest = varlen_runs(segment_ids)                                 # GPU: flash varlen kernel
+    spec = AttnSpec(cu_seqlens=cu.cuda(), max_seqlen=longest, sp_group=group)
     out = model(input_ids=local_ids, position_ids=local_pos, spmd_attn=spec, ...)
     logprobs = gather_sequence(local_logprobs, group, dim=1)
 
@@ -12,7 +14,9 @@ The sp ranks of one group hold the same rows; each feeds the model its contiguou
 sequence dimension (``[R, W/k]``). Everything but attention is per token, so it runs on the slice
 as is; RoPE uses the sliced ``position_ids``. Inside attention, :func:`varlen_sdpa` all-to-alls
 q/k/v from sequence-sharded ``[R, H, W/k, D]`` to head-sharded ``[R, H/k, W, D]``, runs SDPA over
-whole sequences with the block-diagonal causal mask of the full rows, and all-to-alls back.
+whole sequences with the block-diagonal causal mask of the full rows, and all-to-alls back. On
+GPU the engine passes ``cu_seqlens`` instead of a mask and attention runs torch's flash varlen
+kernel on the rows flattened to ``[R * W]`` tokens (no ``W x W`` mask, no masked-out work).
 
 Gradients. Each sp rank ends its forward with an all-gather of its slice's per-position
 log-probs (:func:`gather_sequence`), so every sp rank computes the same loss value from the same
@@ -107,12 +111,64 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) 
 
 @dataclass
 class AttnSpec:
-    """What :func:`varlen_sdpa` needs besides q/k/v, passed through the model as ``spmd_attn=``."""
+    """What :func:`varlen_sdpa` needs besides q/k/v, passed through the model as ``spmd_attn=``.
 
-    mask: torch.Tensor
+    Exactly one of ``mask`` (SDPA with a dense block-diagonal mask: CPU, fp32) and ``cu_seqlens``
+    (flash varlen kernel: CUDA, bf16/fp16) is set."""
+
+    mask: torch.Tensor | None = None
     """``[R, 1, W, W]`` bool, True = may attend; over the FULL rows (not the sp slice)."""
     sp_group: dist.ProcessGroup | None = None
     """The Ulysses group; None without sequence parallelism."""
+    cu_seqlens: torch.Tensor | None = None
+    """``[S + 1]`` int32 offsets of the causal runs of the flattened ``[R * W]`` full rows."""
+    max_seqlen: int = 0
+    """Longest run (a host int, so the kernel launch needs no device sync)."""
+
+
+def varlen_runs(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``[R, W]`` segment ids -> ``cu_seqlens [S + 1]`` int32 and the longest run, over the rows
+    flattened to ``[R * W]``. A run is a maximal stretch of one id inside one row, so packed
+    sequences, a row's trailing padding and the left/right padding of the padded layout are each
+    a run; causal attention inside runs is the block-diagonal mask of :func:`block_causal_mask`."""
+    r, w = segment_ids.shape
+    starts = torch.ones(r, w, dtype=torch.bool, device=segment_ids.device)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    offsets = starts.reshape(-1).nonzero().squeeze(1)
+    cu = torch.cat([offsets, offsets.new_tensor([r * w])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def flash_varlen_available() -> bool:
+    """Whether this torch has ``torch.nn.attention.varlen.varlen_attn`` (a flash kernel, CUDA only)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                  scale: float | None) -> torch.Tensor:
+    """Causal varlen attention, ``[T, H, D]`` x ``[T, Hkv, D]`` -> ``[T, H, D]`` (torch's flash kernel).
+
+    The keyword for causality changed between torch releases (``is_causal`` in 2.10,
+    ``window_size=(-1, 0)`` later); grouped-query attention is native where ``enable_gqa`` exists."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    extra: dict[str, object] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if scale is not None and "scale" in params:
+        extra["scale"] = scale
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
 
 
 def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -141,6 +197,19 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     group = spmd_attn.sp_group
     if group is not None:
         query, key, value = seq_to_heads(query, group), seq_to_heads(key, group), seq_to_heads(value, group)
+    if spmd_attn.cu_seqlens is not None:  # flash varlen over the flattened full rows
+        if dropout > 0:
+            raise ValueError(f"attention dropout {dropout} with the flash varlen path: set the model's "
+                             "attention_dropout to 0 for RL training")
+        r, h, w, d = query.shape
+        flat = _flash_varlen(query.transpose(1, 2).reshape(r * w, h, d),
+                             key.transpose(1, 2).reshape(r * w, key.shape[1], d),
+                             value.transpose(1, 2).reshape(r * w, value.shape[1], d),
+                             spmd_attn.cu_seqlens, spmd_attn.max_seqlen, scaling)
+        out = flat.view(r, w, h, d)
+        if group is None:
+            return out, None
+        return heads_to_seq(out.transpose(1, 2), group).transpose(1, 2).contiguous(), None
     rep = query.shape[1] // key.shape[1]
     if rep > 1:  # GQA: query head h reads kv head h // rep (also after the head split, see check_heads)
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
@@ -168,5 +237,5 @@ def register_attention() -> None:
         _registered = True
 
 
-__all__ = ["ATTENTION_NAME", "AttnSpec", "block_causal_mask", "check_heads", "gather_sequence",
-           "heads_to_seq", "register_attention", "seq_to_heads", "varlen_sdpa"]
+__all__ = ["ATTENTION_NAME", "AttnSpec", "block_causal_mask", "check_heads", "flash_varlen_available",
+           "gather_sequence", "heads_to_seq", "register_attention", "seq_to_heads", "varlen_runs", "varlen_sdpa"]

@@ -1,0 +1,84 @@
+"""Chunked log-prob head (spmd_rl/engine/head.py): equal to the plain full-logits path, gradients included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmd_rl.algo.losses import entropy_from_logits, logprobs_from_logits
+from spmd_rl.engine.head import HeadRequest, LogprobHead, chunked_logprobs, default_chunk_tokens
+from spmd_rl.models import load_causal_lm, resolve_model_path
+
+
+def _plain(hidden, weight, labels, temperature):
+    logits = torch.nn.functional.linear(hidden, weight)
+    logits = (logits if logits.dtype == torch.float64 else logits.float()) / temperature
+    return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 10, 64])  # many chunks, uneven last chunk, exactly one, one larger
+@pytest.mark.parametrize("entropy", ["grad", "detached", "none"])
+def test_chunked_equals_plain_with_gradients(chunk: int, entropy: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    n, h, v, t = 10, 16, 50, 0.7
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    up_lp, up_ent = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
+
+    lp_ref, ent_ref = _plain(hidden, weight, labels, t)
+    loss_ref = (lp_ref * up_lp).sum() + ((ent_ref * up_ent).sum() if entropy == "grad" else 0.0)
+    gh_ref, gw_ref = torch.autograd.grad(loss_ref, (hidden, weight))
+
+    lp, ent = chunked_logprobs(hidden, weight, labels, temperature=t, entropy=entropy, chunk_tokens=chunk)
+    torch.testing.assert_close(lp, lp_ref, rtol=1e-12, atol=1e-12)
+    if entropy == "none":
+        assert ent is None
+    else:
+        torch.testing.assert_close(ent, ent_ref, rtol=1e-12, atol=1e-12)
+        assert ent.requires_grad == (entropy == "grad")
+    loss = (lp * up_lp).sum() + ((ent * up_ent).sum() if entropy == "grad" else 0.0)
+    gh, gw = torch.autograd.grad(loss, (hidden, weight))
+    torch.testing.assert_close(gh, gh_ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(gw, gw_ref, rtol=1e-9, atol=1e-12)
+
+
+def test_bf16_is_as_accurate_as_the_plain_bf16_path() -> None:
+    """bf16 weights (FSDP mixed precision): logits in bf16, softmax in fp32, as the plain path does;
+    both land within bf16 rounding of the float64 truth, the chunked one no further than the plain one."""
+    g = torch.Generator().manual_seed(1)
+    hidden64 = torch.randn(12, 32, generator=g, dtype=torch.float64)
+    weight64 = torch.randn(80, 32, generator=g, dtype=torch.float64) * 0.2
+    labels = torch.randint(0, 80, (12,), generator=g)
+
+    def grads(fn, dtype):
+        h, w = hidden64.to(dtype).requires_grad_(), weight64.to(dtype).requires_grad_()
+        lp = fn(h, w)
+        return (lp.double(), *(x.double() for x in torch.autograd.grad(lp.sum(), (h, w))))
+
+    truth = grads(lambda h, w: _plain(h, w, labels, 1.0)[0], torch.float64)
+    plain = grads(lambda h, w: _plain(h, w, labels, 1.0)[0], torch.bfloat16)
+    chunked = grads(lambda h, w: chunked_logprobs(h, w, labels, chunk_tokens=5)[0], torch.bfloat16)
+    for t, p, c in zip(truth, plain, chunked):
+        err_plain, err_chunked = ((p - t).norm() / t.norm()).item(), ((c - t).norm() / t.norm()).item()
+        assert err_chunked < 1e-2 and err_chunked <= 1.5 * err_plain + 1e-4, (err_chunked, err_plain)
+
+
+def test_head_replaces_the_linear_and_keeps_ties() -> None:
+    model = load_causal_lm(resolve_model_path("tiny-random", cache_dir=None, tiny=None), dtype=torch.float32)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    names = [n for n, _ in model.named_parameters()]
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    plain = model(input_ids=ids).logits
+    head = LogprobHead.replace(model)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    torch.testing.assert_close(model(input_ids=ids).logits, plain)  # no request: a plain Linear
+    rows, cols = torch.tensor([0, 1, 1]), torch.tensor([3, 0, 8])
+    labels = ids[rows, (cols + 1) % 9]
+    head.request = HeadRequest(positions=(rows, cols), labels=labels, temperature=1.0, entropy="detached",
+                               chunk_tokens=2)
+    out = model(input_ids=ids).logits
+    assert out.shape == (1, 3, 2)
+    torch.testing.assert_close(out[0, :, 0], torch.log_softmax(plain[rows, cols], -1)[torch.arange(3), labels])
+    assert default_chunk_tokens(151936) == 1766 and default_chunk_tokens(10) == 2 ** 28 // 10
