@@ -1,0 +1,66 @@
+"""Random-weight model folders of real model shapes, for the update / hot-swap / GRPO-step benchmarks.
+
+    folder = model_folder("qwen2-0.5b", root="/tmp/bench_models", group=None)  # config + random bf16 weights + tokenizer
+
+Built once per shape under ``root`` (global rank 0 writes, then a barrier over ``group``): a Qwen2
+config of the named size, weights drawn by transformers' initialiser (seed 0) and stored in bf16,
+and the project's character tokenizer (its ids are the low end of the 151936-token vocabulary;
+sampled ids beyond it decode to nothing). ``tiny`` is a small shape for CPU runs of the scripts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+SHAPES: dict[str, dict[str, object]] = {
+    # Qwen2-0.5B: 24 layers, hidden 896, 14 heads / 2 KV heads of 64, MLP 4864, vocab 151936, tied.
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    # Qwen2-1.5B: 28 layers, hidden 1536, 12 heads / 2 KV heads of 128, MLP 8960, vocab 151936, tied.
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+COMMON = dict(max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False,
+              attention_dropout=0.0)
+
+
+def model_folder(shape: str, *, root: str) -> str:
+    """The folder of ``shape`` under ``root``, built by global rank 0 on first use; collective
+    (a barrier) when a process group is up."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if shape not in SHAPES:
+        raise ValueError(f"--shapes: unknown shape {shape!r}; known: {sorted(SHAPES)}")
+    folder = Path(root) / shape
+    marker = folder / "COMPLETE"
+    if rank == 0 and not marker.exists():
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from spmd_rl.models import build_char_tokenizer
+
+        folder.mkdir(parents=True, exist_ok=True)
+        config = Qwen2Config(**SHAPES[shape], **COMMON)
+        torch.manual_seed(0)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # initialising 1.5B on the GPU takes a second
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(folder)
+        build_char_tokenizer(model_max_length=32768).save_pretrained(folder)
+        del model
+        marker.touch()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return str(folder)
+
+
+def default_root() -> str:
+    return os.environ.get("BENCH_MODELS", "/tmp/spmd_rl_bench_models")
+
+
+__all__ = ["SHAPES", "default_root", "model_folder"]
