@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n", type=int, default=8, help="samples per prompt")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens after the chat template")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens per response")
-    p.add_argument("--micro-batch-size", type=int, default=16, help="responses per forward/backward")
+    p.add_argument("--micro-batch-size", type=int, default=32, help="responses per forward/backward")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True, help="ours: packed micro-batches")
     p.add_argument("--only", choices=["both", "ours", "trl"], default="both")

@@ -127,15 +127,21 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
         elif flash_ok and not args.layouts:  # the flash kernel runs only here: check it against the dense mask on this batch
             engine.use_packing, engine.max_tokens_per_gpu = True, args.max_tokens_per_gpu
             got = {}
-            for flash in (False, True):
-                engine.flash_varlen = flash
-                got[flash], _ = engine.compute_logprobs(batch, temperature=1.0, micro_batch_size=args.micro_batch_size)
-            mask = batch["response_mask"].to(dev).bool()
-            diff = (got[True] - got[False]).abs()[mask]
-            if env.is_main:
-                print(f"{shape}: log-probs, packed flash vs dense mask: max |diff| {diff.max().item():.3e}, "
-                      f"mean {diff.mean().item():.3e} (bf16), mean log-prob {got[False][mask].mean().item():.3f}",
-                      flush=True)
+            try:
+                for flash in (False, True):
+                    engine.flash_varlen = flash
+                    got[flash], _ = engine.compute_logprobs(batch, temperature=1.0, micro_batch_size=args.micro_batch_size)
+            except Exception as e:  # report and time the other layouts
+                layouts = [l for l in layouts if not l[2]]
+                if env.is_main:
+                    print(f"{shape}: flash varlen FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+            else:
+                mask = batch["response_mask"].to(dev).bool()
+                diff = (got[True] - got[False]).abs()[mask]
+                if env.is_main:
+                    print(f"{shape}: log-probs, packed flash vs dense mask: max |diff| {diff.max().item():.3e}, "
+                          f"mean {diff.mean().item():.3e} (bf16), mean log-prob {got[False][mask].mean().item():.3f}",
+                          flush=True)
         for name, packed, flash in layouts:
             engine.use_packing, engine.flash_varlen = packed, flash
             engine.max_tokens_per_gpu = args.max_tokens_per_gpu if packed else None
@@ -144,14 +150,19 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(dev)
             seconds, norms = [], []
-            for i in range(args.repeats + 1):
-                _sync(dev)
-                start = time.perf_counter()
-                stats = engine.train_mini_batch(micros, loss_fn, temperature=1.0, need_entropy_grad=False)
-                norms.append(stats["grad_norm"])
-                _sync(dev)
-                if i:  # the first step warms up (allocator, kernels, compilation)
-                    seconds.append(time.perf_counter() - start)
+            try:
+                for i in range(args.repeats + 1):
+                    _sync(dev)
+                    start = time.perf_counter()
+                    stats = engine.train_mini_batch(micros, loss_fn, temperature=1.0, need_entropy_grad=False)
+                    norms.append(stats["grad_norm"])
+                    _sync(dev)
+                    if i:  # the first step warms up (allocator, kernels, compilation)
+                        seconds.append(time.perf_counter() - start)
+            except Exception as e:  # one layout failing (e.g. out of memory) must not hide the others
+                if env.is_main:
+                    print(f"{shape} {name}{suffix}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+                continue
             s = statistics.median(seconds)
             peak = peak_flops(dev)
             row: dict[str, object] = {
@@ -209,13 +220,13 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def run_gpu_counts(args: argparse.Namespace, argv: list[str]) -> None:
     """``--gpus 1 2``: one torchrun per count (same per-GPU work), then a table with the scaling."""
-    available = torch.cuda.device_count()
+    available = torch.cuda.device_count() if args.device != "cpu" else os.cpu_count() or 1
     passthrough = [a for i, a in enumerate(argv) if not _is_gpus_arg(argv, i)]
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in args.gpus:
             if k > available:
-                print(f"--gpus {k}: skipped, this machine has {available} GPU(s)", flush=True)
+                print(f"--gpus {k}: skipped, this machine has {available} device(s)", flush=True)
                 continue
             out = os.path.join(tmp, f"gpus{k}.jsonl")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={k}",
