@@ -102,3 +102,26 @@ def test_engine_flash_layout_and_chunked_head_match_the_cpu_path() -> None:
     assert abs(b["grad_norm"] - a["grad_norm"]) <= 1e-5 * a["grad_norm"]
     for name, w in a["weights"].items():
         torch.testing.assert_close(b["weights"][name], w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not ulysses.flash_varlen_available(),
+                    reason="torch's flash varlen kernel runs on CUDA only")
+def test_flash_kernel_equals_the_dense_mask_on_gpu() -> None:
+    """The real kernel (bf16, GQA, packed runs and padding) against SDPA with the dense mask, in
+    the forward and in the gradients of q, k and v."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    seg = torch.tensor([[0] * 40 + [1] * 70 + [2] * 10 + [-1] * 8, [0] * 128, [0] * 5 + [1] * 100 + [-1] * 23],
+                       device="cuda")
+    r, w, h, hkv, d = 3, 128, 8, 2, 64
+    qkv = [torch.randn(r, n, w, d, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+           for n in (h, hkv, hkv)]
+    up = torch.randn(r, w, h, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    cu, longest = ulysses.varlen_runs(seg)
+    valid = (seg >= 0)[..., None, None].expand(r, w, h, d)
+    results = []
+    for spec in (ulysses.AttnSpec(mask=ulysses.block_causal_mask(seg)), ulysses.AttnSpec(cu_seqlens=cu, max_seqlen=longest)):
+        out, _ = ulysses.varlen_sdpa(None, *qkv, None, scaling=d ** -0.5, spmd_attn=spec)
+        grads = torch.autograd.grad((out * up * valid).sum(), qkv)
+        results.append((out[valid].float(), *(x.float() for x in grads)))
+    for dense, flash in zip(*results):
+        assert ((flash - dense).norm() / dense.norm()).item() < 1e-2
