@@ -54,9 +54,22 @@ class MetricAccumulator:
         self._min[key] = min(self._min.get(key, math.inf), float(value))
 
     def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-        """All ranks of ``group`` must call this with the same keys (the loop guarantees it)."""
+        """Collective over ``group``. A key missing on some ranks counts as empty there (the megatron
+        engine's loss metrics exist only on the last pipeline stage): the key sets are merged first."""
         out: dict[str, float] = {}
         distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+        if distributed:
+            every: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, (list(self._mean), list(self._sum), list(self._max), list(self._min)), group=group)
+            for means, sums, maxes_, mins_ in every:
+                for k in means:
+                    self._mean.setdefault(k, [0.0, 0.0])
+                for k in sums:
+                    self._sum.setdefault(k, 0.0)
+                for k in maxes_:
+                    self._max.setdefault(k, -math.inf)
+                for k in mins_:
+                    self._min.setdefault(k, math.inf)
         mean_keys = sorted(self._mean)
         sum_keys = sorted(self._sum)
         packed = torch.tensor(

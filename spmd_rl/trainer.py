@@ -68,8 +68,6 @@ class Trainer:
         self.cfg = cfg
         self.env = env
         self.plan = dims.plan(cfg, env.world_size, env.local_world_size) if groups is None else groups.plan
-        if cfg.actor.engine != "fsdp":
-            raise ValueError("actor.engine=megatron is not supported yet; use --actor.engine fsdp")
         if cfg.rollout.backend == "native" and cfg.rollout.tp * cfg.rollout.pp > 1:
             raise ValueError(
                 f"rollout.tp ({cfg.rollout.tp}) * rollout.pp ({cfg.rollout.pp}) > 1 needs a sharded rollout "
@@ -129,19 +127,29 @@ class Trainer:
         mesh = groups.actor_mesh
         layout = dict(group=self.group, sp_group=groups.sp_group, use_packing=cfg.actor.use_packing,
                       max_tokens_per_gpu=cfg.actor.max_tokens_per_gpu)
-        self.actor = FSDPEngine(
-            model_folder=self.model_folder, mesh=mesh, device=dev, fsdp=cfg.actor.fsdp, actor=cfg.actor,
-            total_updates=cfg.trainer.total_steps * self.updates_per_step, trainable=True,
-            gradient_checkpointing=cfg.model.gradient_checkpointing,
-            trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id, **layout,
-        )
-        self.ref = None
-        if cfg.algo.use_kl_loss:
-            self.ref = FSDPEngine(
-                model_folder=self.model_folder, mesh=mesh, device=dev, fsdp=cfg.actor.fsdp, trainable=False,
-                trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id,
-                param_offload=cfg.ref.param_offload, **layout,
+        if cfg.actor.engine == "megatron":  # same interface; actor and reference share megatron's groups
+            from spmd_rl.engine.megatron import MegatronEngine
+
+            common = dict(model_folder=self.model_folder, device=dev, layout=self.plan.megatron,
+                          megatron=cfg.actor.megatron, trust_remote_code=cfg.model.trust_remote_code,
+                          pad_token_id=self.pad_id, seed=cfg.trainer.seed)
+            self.actor = MegatronEngine(actor=cfg.actor, total_updates=cfg.trainer.total_steps * self.updates_per_step,
+                                        trainable=True, **common)
+            self.ref = MegatronEngine(trainable=False, **common) if cfg.algo.use_kl_loss else None
+        else:
+            self.actor = FSDPEngine(
+                model_folder=self.model_folder, mesh=mesh, device=dev, fsdp=cfg.actor.fsdp, actor=cfg.actor,
+                total_updates=cfg.trainer.total_steps * self.updates_per_step, trainable=True,
+                gradient_checkpointing=cfg.model.gradient_checkpointing,
+                trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id, **layout,
             )
+            self.ref = None
+            if cfg.algo.use_kl_loss:
+                self.ref = FSDPEngine(
+                    model_folder=self.model_folder, mesh=mesh, device=dev, fsdp=cfg.actor.fsdp, trainable=False,
+                    trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id,
+                    param_offload=cfg.ref.param_offload, **layout,
+                )
         self.rollout_dp = self.plan.rollout_dp_rank(self.pool.rank)
         self.rollout_dp_size = self.plan.rollout_dp_size
         # The tp x pp ranks of one rollout replica generate the same rows; each keeps a contiguous
@@ -171,6 +179,9 @@ class Trainer:
         # The sp ranks of a dp group hold the same rows: only sp rank 0 adds them to sums over the
         # pool (token counts for the loss, summed metrics); weighted means are unaffected.
         self.sum_weight = 1.0 if self.plan.ulysses.coords(self.pool.rank)["sp"] == 0 else 0.0
+        if cfg.actor.engine == "megatron":  # tp/cp/pp ranks share rows: count on tp 0 of the last stage (loss_fn runs there)
+            c, mp = self.plan.megatron.coords(self.pool.rank), self.plan.megatron
+            self.sum_weight = float(c["tp"] == 0 and c["cp"] == 0 and c["pp"] == mp.pp - 1)
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.step = 0

@@ -195,7 +195,7 @@ def _logprob_body(rank: int, world_size: int, folder: str, batch: RolloutBatch, 
 def test_logprobs_roundtrip_and_groups(folder: str, batch: RolloutBatch) -> None:
     """Megatron log-probs (and entropy) equal the FSDP engine's on the same HF weights; load -> export
     gives bit-identical tensors under the HF names; megatron-core's groups equal MegatronLayout."""
-    layouts = {"tp2xpp2": dict(tp=2, pp=2), "pp2xvpp2_tp2": dict(tp=2, pp=2, vpp=2), "tp4": dict(tp=4)}
+    layouts = {"tp2xpp2": dict(tp=2, pp=2), "tp2xpp2xvpp2": dict(tp=2, pp=2, vpp=2), "pp4": dict(pp=4)}
     results = run_distributed(_logprob_body, WORLD, folder, batch, layouts)
     for rank, per_layout in enumerate(results):
         for name, r in per_layout.items():

@@ -15,7 +15,9 @@ torch those calls raise. This module redirects them to the CPU for the duration 
   call to the CPU (the literal allocations inside the schedules);
 * ``Tensor.type()`` names a CPU tensor as its CUDA type (``torch.cuda.FloatTensor``): the distributed
   optimizer checks that name;
-* ``torch.cuda.current_stream`` / ``stream`` / ``Stream`` / ``Event`` -> inert stand-ins.
+* ``torch.cuda.current_stream`` / ``stream`` / ``Stream`` / ``Event`` -> inert stand-ins;
+* ``all_to_all_single`` split sizes given as tensors (the MoE dispatcher keeps them on the device,
+  which is the CPU here) -> lists of ints, as torch's binding requires.
 
 Never imported by the product (``spmd_rl``): on a GPU machine megatron-core runs unchanged.
 """
@@ -49,6 +51,10 @@ class _CpuDeviceMode(TorchFunctionMode):
         return result
 
 
+def _ints(sizes):
+    return None if sizes is None else [int(x) for x in sizes]
+
+
 def _is_cuda(device) -> bool:
     if isinstance(device, bool):
         return False
@@ -60,13 +66,20 @@ def _is_cuda(device) -> bool:
 
 
 class _Inert:
-    """Stands in for a CUDA stream or event: every method is a no-op returning None."""
+    """Stands in for a CUDA stream or event: every method is a no-op returning another stand-in
+    (``stream.record_event().synchronize()``); all stand-ins are equal (one stream on the CPU)."""
 
     def __init__(self, *args, **kwargs) -> None:
         pass
 
     def __getattr__(self, name):
-        return lambda *a, **k: None
+        return lambda *a, **k: _Inert()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Inert)
+
+    def __hash__(self) -> int:
+        return 0
 
 
 def install_megatron_cpu_shims() -> None:
@@ -87,6 +100,12 @@ def install_megatron_cpu_shims() -> None:
     torch.cuda.Event = _Inert  # type: ignore[assignment,misc]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
 
+    all_to_all_single = torch.distributed.all_to_all_single
+
+    def all_to_all_int_splits(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        return all_to_all_single(output, input, _ints(output_split_sizes), _ints(input_split_sizes), *args, **kwargs)
+
+    torch.distributed.all_to_all_single = all_to_all_int_splits
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()

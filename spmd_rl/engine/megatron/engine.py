@@ -289,8 +289,13 @@ class MegatronEngine:
                 f"non-finite gradient norm ({grad_norm}) in the actor update: the loss or the "
                 "model produced NaN/inf. Lower --actor.lr, check the reward values, or resume from "
                 "the last checkpoint; the optimizer step was skipped and no weights changed")
-        if actor.grad_clip > 0:
-            self.optimizer.clip_grad_norm(actor.grad_clip)
+        if actor.grad_clip > 0:  # as megatron's own step: every optimizer (dense, expert) by the total norm
+            from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                params = opt.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=actor.grad_clip, total_norm=grad_norm)
         self.optimizer.step_with_ready_grads()
         self.updates += 1
         return {"grad_norm": grad_norm, "lr": lr}

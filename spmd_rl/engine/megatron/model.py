@@ -118,7 +118,7 @@ def transformer_config(spec: ModelSpec, layout: MegatronLayout, *, params_dtype:
         moe = dict(num_moe_experts=spec.experts, moe_router_topk=spec.top_k, moe_ffn_hidden_size=spec.moe_ffn,
                    moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                    moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-                   moe_router_dtype="fp32", moe_permute_fusion=False)
+                   moe_permute_fusion=False)
     return TransformerConfig(
         num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
         num_query_groups=spec.kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn,
@@ -140,6 +140,25 @@ def transformer_config(spec: ModelSpec, layout: MegatronLayout, *, params_dtype:
     )
 
 
+class RMSNorm(torch.nn.Module):
+    """RMSNorm as Hugging Face Llama computes it (in fp32, then the weight in the input dtype), with
+    megatron's constructor and the ``sequence_parallel`` mark on its weight (so megatron all-reduces
+    its gradient over tp under sequence parallelism). megatron-core's torch fallback norm refuses
+    sequence parallelism; its fused ones need TransformerEngine or Apex."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_: object) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
 def build_chunks(spec: ModelSpec, layout: MegatronLayout, config) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), weights uninitialised (loaded next)."""
     from megatron.core import parallel_state as ps
@@ -149,13 +168,27 @@ def build_chunks(spec: ModelSpec, layout: MegatronLayout, config) -> list[torch.
         from megatron.core.models.gpt import GPTModel
     except ImportError:  # pragma: no cover - layout of later releases
         from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    if spec.experts:
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            # megatron-core 0.16 imports it only with TransformerEngine yet tests it for None in the
+            # router's linear: without TE every MoE forward raises NameError. None = its torch path.
+            moe_utils.te_general_gemm = None
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts or None, moe_grouped_gemm=False,
                                           normalization="RMSNorm")
+    layer_spec.submodules.input_layernorm = RMSNorm
+    layer_spec.submodules.pre_mlp_layernorm = RMSNorm
+    # a block spec lists the layers of ONE chunk (megatron numbers them from the chunk's offset)
+    per_chunk = spec.layers // (layout.pp * layout.vpp)
+    block_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * per_chunk, layer_norm=RMSNorm)
     chunks = []
     for stage in range(layout.vpp):
         vp = stage if layout.vpp > 1 else None
         chunks.append(GPTModel(
-            config=config, transformer_layer_spec=layer_spec, vocab_size=spec.padded_vocab(layout.tp),
+            config=config, transformer_layer_spec=block_spec, vocab_size=spec.padded_vocab(layout.tp),
             max_sequence_length=spec.max_positions,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
