@@ -91,6 +91,7 @@ def test_one_process_generate_hot_swap_greedy_eos_and_memory(tmp_path: Path) -> 
     r = json.loads((tmp_path / "single-rank0.json").read_text())
     print(f"\nvLLM engine start {r['start_s']:.1f} s, first generate {r['gen_s']:.2f} s")
     assert r["vllm_tp"] == [0] and r["vllm_pp"] == [0]
+    assert r["tied"], "this run checks the hot-swap of a tied lm_head (vLLM processes it apart)"
     _check_engine(r)
     # greedy answers equal transformers' generate on the hot-swapped weights
     assert r["greedy"] == r["greedy_hf"]

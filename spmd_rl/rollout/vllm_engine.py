@@ -252,6 +252,7 @@ class VllmRollout:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": buckets(), "is_checkpoint_format": True})
         if count[0] == 0:
             raise ValueError("VllmRollout.load_weights: got no tensors")
+        self.llm.apply_model(_reprocess_tied_weights)
         self._weights_lost = False
         if not self._sleep_level:
             self._reset_prefix_cache()
@@ -303,6 +304,27 @@ class VllmRollout:
     def _check_usable(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"VllmRollout.{what}: the engine was closed")
+
+
+def _reprocess_tied_weights(model: torch.nn.Module) -> int:
+    """Re-run the post-load processing of every layer whose weight is another layer's (tied).
+
+    vLLM's layer-wise reload processes a tied parameter once, for its first owner (the embedding);
+    a tied ``lm_head`` whose processing keeps a derived copy (the CPU backend's packed oneDNN GEMM
+    weights) would otherwise keep computing logits with the OLD weights (SmolLM2 is tied).
+    """
+    seen: set[int] = set()
+    redone = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        method = getattr(module, "quant_method", None)
+        if not isinstance(weight, torch.Tensor) or method is None:
+            continue
+        if id(weight) in seen:
+            method.process_weights_after_loading(module)
+            redone += 1
+        seen.add(id(weight))
+    return redone
 
 
 __all__ = ["VllmRollout"]

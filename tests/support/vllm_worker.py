@@ -4,8 +4,8 @@
     TP=2 PP=1 torchrun --nproc-per-node 2 tests/support/vllm_worker.py spmd OUT_DIR
 
 It only measures and writes ``OUT_DIR/<mode>-rank<R>.json``; the pytest side asserts. Model: the
-``tiny-random`` Llama (4 layers, hidden 256, head_dim 64, which vLLM's CPU attention supports), in
-float32, so vLLM and the FSDP engine can be compared tightly. The "trainer" log-probs come from
+``tiny-random`` Llama (4 layers, hidden 256, head_dim 64, which vLLM's CPU attention supports; in
+``single`` mode with its ``lm_head`` tied to the embedding, as SmolLM2 has it), in float32, so vLLM and the FSDP engine can be compared tightly. The "trainer" log-probs come from
 :class:`spmd_rl.engine.fsdp.FSDPEngine`, the engine the trainer uses, on the same world.
 """
 
@@ -55,6 +55,19 @@ def perturbed_folder(base: str, out_dir: Path) -> str:
     return str(target)
 
 
+def tied_folder(base: str, out_dir: Path) -> str:
+    """The same model with ``lm_head`` tied to the embedding, as SmolLM2 has it (rank 0 writes it)."""
+    target = out_dir / "tied"
+    if dist.get_rank() == 0 and not (target / "config.json").is_file():
+        model = load_causal_lm(base, dtype=torch.float32)
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+        model.save_pretrained(str(target))
+        load_tokenizer(base).save_pretrained(str(target))
+    dist.barrier()
+    return str(target)
+
+
 def logprob_diff(engine: FSDPEngine, gen) -> dict[str, float]:
     batch = RolloutBatch(prompts=gen.prompt_ids,
                          tensors={"response_ids": gen.response_ids, "response_mask": gen.response_mask})
@@ -84,6 +97,8 @@ def main(mode: str, out_dir: Path) -> None:
     from spmd_rl.rollout import build_rollout
 
     folder = resolve_model_path("tiny-random", cache_dir=None, tiny=TINY)
+    if mode == "single":  # tied embeddings: the hot-swap must reach vLLM's processed lm_head too
+        folder = tied_folder(folder, out_dir)
     tok = load_tokenizer(folder)
     prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
                                        tokenize=True)["input_ids"] for m in MESSAGES]
@@ -98,6 +113,7 @@ def main(mode: str, out_dir: Path) -> None:
     result["start_s"] = time.perf_counter() - t0
     from vllm.distributed import parallel_state as ps
 
+    result["tied"] = engine.llm.apply_model(lambda m: m.lm_head.weight is m.model.embed_tokens.weight)[0]
     result["vllm_tp"] = ps.get_tp_group().ranks
     result["vllm_pp"] = ps.get_pp_group().ranks
     mesh = FsdpLayout(world).build("cpu")
