@@ -150,7 +150,8 @@ def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf: dict[str
             put(chunk, "embedding.word_embeddings.weight", pad_vocab(spec, embed, r.tp).chunk(r.tp)[r.tp_rank])
         if chunk.post_process:
             put(chunk, "decoder.final_layernorm.weight", hf["model.norm.weight"])
-            put(chunk, "output_layer.weight", pad_vocab(spec, head, r.tp).chunk(r.tp)[r.tp_rank])
+            if chunk.output_layer.weight is not None:  # None: tied and on the embedding's stage (shared)
+                put(chunk, "output_layer.weight", pad_vocab(spec, head, r.tp).chunk(r.tp)[r.tp_rank])
     per_expert = spec.experts // r.ep if spec.experts else 0
     for index, (_c, layer) in _layer_params(chunks).items():
         pre = HF_LAYER.format(index)

@@ -95,6 +95,7 @@ class MegatronEngine:
         self.config = hf_model.config
         self.spec = ModelSpec.from_hf(self.config)
         check_layout(self.spec, layout)
+        padding_idx = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
         hf_state = {name: p.detach() for name, p in hf_model.named_parameters()}  # tied: embed only
         self.hf_shapes = {name: t.shape for name, t in hf_state.items()}
         self.tf_config = transformer_config(
@@ -102,6 +103,10 @@ class MegatronEngine:
             sequence_parallel=megatron.sequence_parallel, batch_p2p_comm=batch_p2p_comm_for(layout))
         chunks = build_chunks(self.spec, layout, self.tf_config)
         load_hf_weights(chunks, self.spec, hf_state)
+        if padding_idx is not None:
+            for chunk in chunks:
+                if chunk.pre_process:
+                    chunk.embedding.register_forward_hook(_PaddingRowFrozen(padding_idx), with_kwargs=True)
         del hf_model, hf_state
         for chunk in chunks:
             chunk.to(device)
@@ -372,3 +377,24 @@ class MegatronEngine:
 
     def onload(self, *, optimizer: bool = False) -> None:
         """See :meth:`offload`."""
+
+
+class _PaddingRowFrozen:
+    """Forward hook of megatron's embedding: positions holding the padding token pass no gradient to
+    the embedding table, as Hugging Face's ``nn.Embedding(padding_idx=...)`` does (its padding row
+    never trains; a sampled padding token inside a response would otherwise move it). The output is
+    ``[S, B, H]``, or this tp rank's ``S / tp`` slice under sequence parallelism."""
+
+    def __init__(self, padding_idx: int) -> None:
+        self.padding_idx = padding_idx
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        ids = args[0] if args else kwargs["input_ids"]
+        pad = (ids == self.padding_idx).t().contiguous()  # [S, B]; contiguous, or where() may return transposed strides
+        if output.shape[0] != pad.shape[0]:  # sequence parallel: this rank's slice of the sequence
+            local = output.shape[0]
+            start = ps.get_tensor_model_parallel_rank() * local
+            pad = pad[start:start + local]
+        return torch.where(pad.unsqueeze(-1), output.detach(), output)
