@@ -270,7 +270,7 @@ def test_build_rollout_and_argument_errors(folder: str, tok, prompts) -> None:
     engine = build_rollout("native", model_folder=folder, device=torch.device("cpu"), dtype=torch.float32,
                            batch_size=4, pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id])
     assert isinstance(engine, NativeRollout) and isinstance(engine, RolloutEngine)
-    with pytest.raises(ValueError, match=r"rollout.backend='sglang' is not available; known backends: \['native'\]"):
+    with pytest.raises(ValueError, match=r"rollout.backend='sglang' is not available; known backends: \['native', 'vllm'\]"):
         build_rollout("sglang")
     args = dict(n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=0)
     for bad, match in [({"n": 0}, "rollout.n must be >= 1, got 0"),
