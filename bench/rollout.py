@@ -1,7 +1,6 @@
 """Rollout throughput: the built-in fast decode (NativeRollout) vs plain ``transformers.generate``, one process.
 
     python bench/rollout.py                                    # GPU: Qwen2-0.5B shape, bf16, batch 64 256 1024
-    python bench/rollout.py --compile --batches 256 --generate-max-batch 0   # the step through torch.compile too
     python bench/rollout.py --shape tiny --batches 4 8 --prompt-len 16 --new-tokens 16   # CPU smoke run
 
 Both sides get the same random-weight model (built from a config, no download), the same random
@@ -81,8 +80,6 @@ def main() -> None:
                              "tokens it made by then")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="memory bandwidth, bytes/s (H200: 4.8e12)")
     parser.add_argument("--out", type=str, default=None, help="write the table rows here as JSON")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile (inductor) the fast decode step before graph capture")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -94,15 +91,13 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="bench_rollout_")
     model.save_pretrained(folder)
     engine = NativeRollout(folder, device=device, dtype=dtype, batch_size=max(args.batches), pad_token_id=0,
-                           eos_token_ids=[config.vocab_size],  # an id the model cannot produce: EOS ignored
-                           compile_backend="inductor" if args.compile else None)
+                           eos_token_ids=[config.vocab_size])  # an id the model cannot produce: EOS ignored
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if engine._fast is None:
         raise SystemExit("bench/rollout.py: the fast decode path is off for this model (see the warning above)")
     print(f"device {name}, torch {torch.__version__}, {args.shape} {dtype}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
-          f"{args.prompt_len} prompt + {args.new_tokens} new tokens, sampling T=1"
-          f"{', decode step compiled (inductor)' if args.compile else ''}", flush=True)
+          f"{args.prompt_len} prompt + {args.new_tokens} new tokens, sampling T=1", flush=True)
 
     rows_out = []
     gen = torch.Generator().manual_seed(1)

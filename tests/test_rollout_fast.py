@@ -213,18 +213,6 @@ def test_fallbacks_are_logged_and_use_the_hf_loop(root: Path, prompts, caplog: p
                     pad_token_id=0)
 
 
-def test_compiled_step_gives_the_same_tokens(root: Path, prompts) -> None:
-    """The optional torch.compile of the decode step (aot_eager here: tracing and functionalised in-place
-    cache / counter updates, without code generation) keeps greedy outputs and compaction."""
-    folder = build(root, "qwen2-gqa-untied")
-    free = greedy(engine(folder, fast=False), prompts)
-    eos = early_eos(responses(free))
-    compiled = NativeRollout(folder, device=torch.device("cpu"), dtype=torch.float32, batch_size=4, pad_token_id=0,
-                             eos_token_ids=[eos], compile_backend="aot_eager")
-    assert_same(greedy(compiled, prompts), greedy(engine(folder, fast=False, eos=eos), prompts))
-    assert compiled._fast.compactions > 0
-
-
 @CUDA
 def test_bf16_cuda_graphs_agree_with_the_hf_loop(root: Path, prompts) -> None:
     folder = build(root, "qwen2-gqa-tied")

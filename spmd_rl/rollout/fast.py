@@ -94,7 +94,7 @@ class FastDecoder:
     """Static-cache, graph-captured decoding over a HF Llama / Qwen2 / Mistral model (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_batch: int, pad_token_id: int,
-                 prefill_tokens: int = 16384, compile_backend: str | None = None) -> None:
+                 prefill_tokens: int = 16384) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FastDecoder: {reason}")
@@ -123,10 +123,6 @@ class FastDecoder:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
         self.compactions = 0  # how many times live rows moved to a smaller bucket (tests read it)
-        # Optional: fuse the step's elementwise work with torch.compile (one compile per bucket; the
-        # result is still captured in this class's CUDA graphs). Off by default: compiling costs minutes.
-        self._decode_fn = self._decode if compile_backend is None else torch.compile(
-            self._decode, backend=compile_backend, dynamic=False)
 
     # ------------------------------------------------------------------ memory
 
@@ -242,7 +238,7 @@ class FastDecoder:
 
     def _step(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.use_graphs:
-            return self._decode_fn(rows)
+            return self._decode(rows)
         entry = self._graphs.get(rows)
         if entry is None:
             entry = self._capture(rows)
@@ -257,7 +253,7 @@ class FastDecoder:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._decode_fn(rows)  # lazy library workspaces (and a compile) happen outside the capture
+                self._decode(rows)  # lazy library workspaces are set up outside the capture
             torch.cuda.current_stream().wait_stream(side)
             self._pos.copy_(pos)
             self._slot.copy_(slot)
@@ -266,7 +262,7 @@ class FastDecoder:
             graph = torch.cuda.CUDAGraph()
             # thread_local: CUDA calls of other threads (NCCL watchdog, pinned-memory copies) cannot spoil it
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                scaled, lse = self._decode_fn(rows)
+                scaled, lse = self._decode(rows)
         self._graphs[rows] = (graph, scaled, lse)
         return self._graphs[rows]
 

@@ -60,7 +60,6 @@ class NativeRollout:
         eos_token_ids: list[int],
         trust_remote_code: bool = False,
         fast_decode: bool = True,
-        compile_backend: str | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
@@ -92,7 +91,7 @@ class NativeRollout:
             reason = unsupported_reason(self.model)
             if reason is None:
                 self._fast = FastDecoder(self.model, device=self.device, max_batch=batch_size,
-                                         pad_token_id=self.pad_token_id, compile_backend=compile_backend)
+                                         pad_token_id=self.pad_token_id)
             else:
                 log.warning("NativeRollout: fast decode is off (%s); using the Hugging Face decode loop", reason)
 
@@ -210,8 +209,8 @@ class NativeRollout:
                      cache: DynamicCache) -> torch.Tensor:
         """One decode step: ``input_ids [b, 1]`` at ``position_ids [b, 1]`` -> next-token logits ``[b, V]``.
 
-        ``attention_mask [b, cached + 1]`` masks the left padding. This is the single place a faster
-        decode (static cache, compiled / graph-captured step) plugs in.
+        ``attention_mask [b, cached + 1]`` masks the left padding. The Hugging Face loop only; the fast
+        path has its own step (:meth:`spmd_rl.rollout.fast.FastDecoder._decode`).
         """
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=True)
