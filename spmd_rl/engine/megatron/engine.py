@@ -159,8 +159,13 @@ class MegatronEngine:
             adam_beta1=actor.betas[0], adam_beta2=actor.betas[1], adam_eps=1e-8, clip_grad=actor.grad_clip,
             bf16=self.on_gpu, params_dtype=torch.bfloat16 if self.on_gpu else torch.float32,
             use_distributed_optimizer=True)
-        # {} = no per-parameter overrides: weight decay on every parameter, as the FSDP engine's AdamW
-        return get_megatron_optimizer(config, self.model, config_overrides={})
+        # weight decay on every parameter, as the FSDP engine's AdamW: {} = no per-parameter overrides
+        # (megatron-core >= 0.15); older releases take a no-weight-decay predicate instead
+        import inspect
+
+        if "config_overrides" in inspect.signature(get_megatron_optimizer).parameters:
+            return get_megatron_optimizer(config, self.model, config_overrides={})
+        return get_megatron_optimizer(config, self.model, no_weight_decay_cond=lambda name, param: False)
 
     def _chunks(self) -> list[torch.nn.Module]:
         """The GPTModel of every chunk (under DDP / Float16Module wrappers)."""
