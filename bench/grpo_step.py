@@ -80,9 +80,9 @@ def run_ours(args: argparse.Namespace, folder: str, data: str, out_dir: str) -> 
         "--trainer.device", args.device, "--logging.wandb", "off", "--logging.no-console",
         "--checkpoint.no-save-final", "--checkpoint.resume", "never",
     ]
-    if args.packing:
-        flags += ["--actor.use-packing", "--actor.max-tokens-per-gpu",
-                  str(args.micro_batch_size * (args.prompt_len + args.new_tokens))]
+    if args.packing:  # default budget: the tokens of one TRL micro-batch, so both run the same micro-batches
+        budget = args.ours_max_tokens or args.micro_batch_size * (args.prompt_len + args.new_tokens)
+        flags += ["--actor.use-packing", "--actor.max-tokens-per-gpu", str(budget)]
     cfg = load_config(flags)
     env = DistEnv.from_environ().init(device=cfg.trainer.device)
     from spmd_rl.trainer import Trainer
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--micro-batch-size", type=int, default=32, help="responses per forward/backward")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True, help="ours: packed micro-batches")
+    p.add_argument("--ours-max-tokens", type=int, default=None,
+                   help="ours: tokens per packed micro-batch (default: those of one --micro-batch-size micro-batch)")
     p.add_argument("--only", choices=["both", "ours", "trl"], default="both")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--models", default=default_root())
