@@ -215,12 +215,13 @@ def _logprob_body(rank: int, world_size: int, folder: str, batch: RolloutBatch, 
 
     fsdp = FSDPEngine(model_folder=folder, mesh=FsdpLayout(world_size).build("cpu"), device=torch.device("cpu"),
                       fsdp=FsdpConfig(), trainable=False, pad_token_id=PAD)
-    want, want_ent = fsdp.compute_logprobs(batch, temperature=TEMPERATURE, micro_batch_size=3, with_entropy=True)
+    # 6 rows per micro-batch: 3 micro-batches, which the interleaved schedule (pp 2) pads to 4
+    want, want_ent = fsdp.compute_logprobs(batch, temperature=TEMPERATURE, micro_batch_size=6, with_entropy=True)
     source = {n: t.clone() for n, t in fsdp.named_full_tensors()}
     out: dict[str, Any] = {}
     for name, kw in layouts.items():
         engine, layout = _engine(folder, kw, trainable=False)
-        got, got_ent = engine.compute_logprobs(batch, temperature=TEMPERATURE, micro_batch_size=3, with_entropy=True)
+        got, got_ent = engine.compute_logprobs(batch, temperature=TEMPERATURE, micro_batch_size=6, with_entropy=True)
         exported = dict(engine.named_full_tensors())
         ours = {k: next(g for g in groups if rank in g) for k, groups in layout.groups().items()}
         out[name] = dict(

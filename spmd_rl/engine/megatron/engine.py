@@ -182,8 +182,12 @@ class MegatronEngine:
         return list(batch.split(micro_batch_size))
 
     def _grids(self, micros: list[RolloutBatch]) -> tuple[list[_Grid], int, int]:
+        if self.layout.vpp > 1 and len(micros) % self.layout.pp:
+            # the interleaved schedule runs micro-batches in groups of pp: add empty ones (no rows,
+            # no loss) up to a multiple of pp
+            micros = micros + [micros[0].select([])] * (self.layout.pp - len(micros) % self.layout.pp)
         rows = max(len(m) for m in micros)
-        width = max(max(len(p) for p in m.prompts) + m.response_len for m in micros)
+        width = max(max(len(p) for p in m.prompts) + m.response_len for m in micros if len(m))
         width = -(-width // self.layout.tp) * self.layout.tp
         grids = []
         for micro in micros:
@@ -280,6 +284,8 @@ class MegatronEngine:
         grids, rows, width = self._grids(micro_batches)
 
         def loss(output, grid):
+            if grid.real == 0:  # an empty micro-batch of the interleaved schedule: no loss, no metrics
+                return output.float().sum() * 0.0, torch.ones((), dtype=torch.int, device=self.device), {}
             logp, ent = self._response_logprobs(output, grid, temperature, "grad" if need_entropy_grad else "detached")
             value, _ = loss_fn(logp, ent, grid.micro)
             return value, torch.ones((), dtype=torch.int, device=self.device), {}
