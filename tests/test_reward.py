@@ -70,6 +70,8 @@ def test_extract_answer(text: str, expected: str | None) -> None:
         ("50%", "50", True), ("\\frac{3}{4}", "0.75", True), ("3/4", "0.75", True), ("\\dfrac{6}{8}", "3/4", True),
         ("-3", "-3", True), ("-3", "3", False), ("0.3333", "1/3", False), ("0.3333333", "1/3", True), ("1234.1", "1234", False),
         ("18", "18.0000000001", True), ("7", "8", False), ("+4", "4", True), ("abc", "abd", False),
+        # beyond float range (a model's runaway digits): compared exactly, no OverflowError
+        ("9" * 400, "18", False), ("9" * 400, "9" * 400, True), ("1/" + "9" * 400, "1", False),
     ],
 )
 def test_numbers_equal(pred: str, ref: str, equal: bool, use_mv: bool) -> None:
