@@ -255,6 +255,10 @@ class ActorConfig:
     """Cosine schedule floor as a fraction of the peak LR."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
+    skip_nonfinite_updates: int = 0
+    """Optimizer steps in a row with a NaN/inf gradient norm that are skipped (gradients dropped,
+    weights and LR schedule unchanged, counted in `actor/skipped_updates`, the cause logged) before
+    the run stops with an error; 0 = stop at the first (FSDP engine)."""
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step (times `rollout.n` responses), over the whole world."""
     micro_batch_size: int = 8
@@ -280,6 +284,8 @@ class ActorConfig:
         _check(self.warmup_steps >= 0, f"actor.warmup_steps must be >= 0, got {self.warmup_steps}")
         _check(0 <= self.min_lr_ratio <= 1, f"actor.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _check(self.grad_clip >= 0, f"actor.grad_clip must be >= 0, got {self.grad_clip}")
+        _check(self.skip_nonfinite_updates >= 0,
+               f"actor.skip_nonfinite_updates must be >= 0, got {self.skip_nonfinite_updates}")
         _check(self.ppo_mini_batch_size >= 1, f"actor.ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
         _check(self.micro_batch_size >= 1, f"actor.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         _check(self.ppo_epochs >= 1, f"actor.ppo_epochs must be >= 1, got {self.ppo_epochs}")

@@ -351,7 +351,10 @@ class Trainer:
                     self.actor.micro_batches(mini, micro_batch_size=cfg.actor.micro_batch_size), loss_fn,
                     temperature=self.temperature, need_entropy_grad=cfg.algo.entropy_coef > 0)
                 # grad_norm and lr are identical on every rank; weight 1 per rank keeps the mean exact.
-                acc.add("actor/grad_norm", stats["grad_norm"])
+                skipped = stats.get("skipped", 0.0)  # a non-finite update the engine was allowed to skip
+                if not skipped:
+                    acc.add("actor/grad_norm", stats["grad_norm"])
+                acc.add("actor/skipped_updates", skipped * self.updates_per_step)  # mean x count = count
                 acc.add("actor/lr", stats["lr"])
         self.actor.offload()  # params / optimizer state to CPU if configured (no-op on CPU runs)
         self.weights_stale = True

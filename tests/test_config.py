@@ -48,6 +48,7 @@ RULES = [
     (["--actor.warmup-steps", "-1"], "actor.warmup_steps must be >= 0, got -1"),
     (["--actor.min-lr-ratio", "2"], "actor.min_lr_ratio must be in [0, 1], got 2.0"),
     (["--actor.grad-clip", "-1"], "actor.grad_clip must be >= 0, got -1.0"),
+    (["--actor.skip-nonfinite-updates", "-1"], "actor.skip_nonfinite_updates must be >= 0, got -1"),
     (["--actor.ppo-mini-batch-size", "0"], "actor.ppo_mini_batch_size must be >= 1, got 0"),
     (["--actor.micro-batch-size", "0"], "actor.micro_batch_size must be >= 1, got 0"),
     (["--actor.ppo-epochs", "0"], "actor.ppo_epochs must be >= 1, got 0"),

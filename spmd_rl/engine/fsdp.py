@@ -28,6 +28,7 @@ scores only response positions, a chunk of positions at a time. On GPU AdamW is 
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable, Iterator
 
@@ -43,6 +44,8 @@ from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.engine import packing, ulysses
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens
 from spmd_rl.models import load_causal_lm
+
+log = logging.getLogger("spmd_rl")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, RolloutBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``loss_fn(logprobs[B,T], entropy[B,T] | None, micro_batch) -> (loss, metrics)``."""
@@ -152,6 +155,8 @@ class FSDPEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.grad_clip = 0.0
+        self.skip_nonfinite = actor.skip_nonfinite_updates if actor is not None else 0
+        self._nonfinite_streak = 0  # optimizer steps skipped in a row for a NaN/inf gradient norm
         if trainable:
             assert actor is not None
             self.grad_clip = actor.grad_clip
@@ -271,23 +276,46 @@ class FSDPEngine:
         self.onload(optimizer=True)  # the caller calls offload() after its last mini-batch
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        bad_losses = torch.zeros((), dtype=torch.long, device=self.device)  # summed without a sync per micro-batch
         for micro in micro_batches:
             logprobs, entropy = self._forward(micro, temperature, "grad" if need_entropy_grad else "detached")
             loss, _ = loss_fn(logprobs, entropy, micro)
+            bad_losses += ~torch.isfinite(loss.detach())
             loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = self._clip_grad_norm(params)
+        lr = self.optimizer.param_groups[0]["lr"]
         if not math.isfinite(grad_norm):
             # grad_norm is reduced over the whole mesh, so every rank takes this branch together.
-            raise FloatingPointError(
-                f"non-finite gradient norm ({grad_norm}) in the actor update: the loss or the "
-                "model produced NaN/inf. Lower --actor.lr, check the reward values, or resume from "
-                "the last checkpoint; the optimizer step was skipped and no weights changed"
-            )
-        lr = self.optimizer.param_groups[0]["lr"]
+            cause = self._nonfinite_cause(int(bad_losses), len(micro_batches))
+            self.optimizer.zero_grad(set_to_none=True)
+            self._nonfinite_streak += 1
+            if self._nonfinite_streak > self.skip_nonfinite:
+                raise FloatingPointError(
+                    f"non-finite gradient norm ({grad_norm}) in the actor update, {self._nonfinite_streak} "
+                    f"update(s) in a row ({cause}). Lower --actor.lr, check the reward values, raise "
+                    f"--actor.skip-nonfinite-updates (now {self.skip_nonfinite}) to skip such updates, or resume "
+                    "from the last checkpoint; the optimizer step was skipped and no weights changed"
+                )
+            log.warning("skipped an actor update with a non-finite gradient norm (%s in a row of at most %d): %s",
+                        self._nonfinite_streak, self.skip_nonfinite, cause)
+            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
+        self._nonfinite_streak = 0
         self.optimizer.step()
         self.scheduler.step()
-        return {"grad_norm": grad_norm, "lr": lr}
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0}
+
+    def _nonfinite_cause(self, bad_losses: int, micro_batches: int) -> str:
+        """Where the NaN/inf came from, as far as this rank can tell: its losses, then the first
+        parameters whose local gradient shard is not finite."""
+        names = []
+        for name, p in self.model.named_parameters():
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                names.append(name)
+        where = f"non-finite gradients in {len(names)} parameter shard(s) on this rank"
+        where += f", first: {', '.join(names[:4])}" if names else " (the non-finite part is on other ranks)"
+        return f"{bad_losses} of {micro_batches} micro-batch losses non-finite on this rank; {where}"
 
     def _clip_grad_norm(self, params: list[torch.nn.Parameter]) -> float:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=self.on_gpu)
