@@ -16,7 +16,18 @@ tokens, relative loss and grad-norm differences, and the max relative difference
 weights (full HF tensors from ``named_full_tensors``). bf16 compute on both sides, so expect
 log-prob differences around 1e-2 (different kernels and reduction orders), loss and grad norm within
 ~1e-2 relative, weights within ~1e-2 relative (one AdamW step of lr 1e-5 moves weights by ~1e-5).
-Exit status 1 when a layout fails to run or a difference is above ``--tol`` (loose, for gross bugs).
+
+The weights' relative difference cannot see whether the step happened (bf16 rounding of the exported
+weights, ~4e-3 relative, is far larger than the step), so the weight CHANGE is compared too: ``step``
+= <d_meg, d_fsdp> / <d_fsdp, d_fsdp>, the megatron engine's exported (bf16 compute) weight change
+projected on the FSDP engine's fp32 weight change: ~1 when the bf16 weights move by the fp32 step on
+average, as bf16(fp32 weights) do (``fsdp step``, the same measure of the FSDP engine's own bf16
+compute weights, is the yardstick); ``bf16 diff`` = the fraction of megatron's bf16 weights that
+differ from bf16(FSDP weights after the step). fp32 main weights started from the bf16-rounded
+checkpoint instead of the fp32 one gave step ~0.2 on tiny-random at lr 1e-5 (CPU emulation,
+tests/test_megatron_bf16.py) and ~50x slower learning on SmolLM2 at lr 2e-6.
+Exit status 1 when a layout fails to run or a difference is above ``--tol`` (loose, for gross bugs),
+or ``step`` is below ``--min-step``.
 """
 
 from __future__ import annotations
@@ -44,6 +55,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=4, help="micro-batch rows")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--tol", type=float, default=0.1, help="failure threshold for the relative differences")
+    p.add_argument("--min-step", type=float, default=0.5,
+                   help="failure threshold for the effective step of the megatron weights (1 = the FSDP step)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--cpu-shims", action="store_true", help="install tests/support/megatron_cpu shims (CPU smoke run)")
     return p.parse_args()
@@ -99,6 +112,11 @@ def update(engine, batch, *, dp_rank: int, dp_size: int, count_weight: float, mi
     return total.item(), stats["grad_norm"]
 
 
+def cpu32(t: torch.Tensor) -> torch.Tensor:
+    """An fp32 CPU copy (never a view of live weights: on the CPU ``.float().cpu()`` is the tensor itself)."""
+    return t.detach().to("cpu", torch.float32, copy=True)
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
@@ -137,9 +155,21 @@ def main() -> int:
                       actor=actor, total_updates=1, trainable=True, pad_token_id=0)
     batch, base_logp = make_batch(fsdp, fsdp.config.vocab_size, args.rows, args.response_len, args.micro)
     mask = batch["response_mask"]
+    base_before = {n: cpu32(t) for n, t in fsdp.named_full_tensors()}
     base_loss, base_norm = update(fsdp, batch, dp_rank=rank, dp_size=world, count_weight=1.0, micro=args.micro,
                                   device=device)
-    base_weights = {n: t.float().cpu() for n, t in fsdp.named_full_tensors()}
+    base_weights = {n: cpu32(t) for n, t in fsdp.named_full_tensors()}
+    base_delta = {n: base_weights[n] - base_before[n] for n in base_weights}
+    base_sq = sum(d.double().pow(2).sum().item() for d in base_delta.values())
+
+    def projected(delta: dict) -> float:
+        """<delta, FSDP change> / <FSDP change, FSDP change>"""
+        return sum((delta[n].double() * base_delta[n].double()).sum().item() for n in base_delta) / max(base_sq, 1e-30)
+
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.bfloat16().float()
+
+    fsdp_step = projected({n: bf16(base_weights[n]) - bf16(base_before[n]) for n in base_delta})
     del fsdp
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -162,16 +192,22 @@ def main() -> int:
                                     trainable=True, pad_token_id=0, seed=1)
             logp, _ = engine.compute_logprobs(batch, temperature=1.0, micro_batch_size=args.micro)
             diff = (logp.cpu() - base_logp).abs() * mask
+            before = {n: cpu32(t) for n, t in engine.named_full_tensors()}
             c = layout.coords(rank)
             weight = float(c["tp"] == 0 and c["pp"] == layout.pp - 1)
             loss, norm = update(engine, batch, dp_rank=c["dp"], dp_size=layout.dp_size, count_weight=weight,
                                 micro=args.micro, device=device)
-            wdiff = max((t.float().cpu() - base_weights[n]).norm().item() / max(base_weights[n].norm().item(), 1e-12)
-                        for n, t in engine.named_full_tensors())
+            after = {n: cpu32(t) for n, t in engine.named_full_tensors()}
+            wdiff = max((t - base_weights[n]).norm().item() / max(base_weights[n].norm().item(), 1e-12)
+                        for n, t in after.items())
+            step = projected({n: after[n] - before[n] for n in base_delta})
+            bf16_diff = (sum((bf16(after[n]) != bf16(base_weights[n])).sum().item() for n in base_delta)
+                         / sum(t.numel() for t in base_delta.values()))
             row = dict(layout=name, logp_max=diff.max().item(), logp_mean=(diff.sum() / mask.sum()).item(),
                        loss=loss, loss_rel=rel(loss, base_loss), norm=norm, norm_rel=rel(norm, base_norm),
-                       weights_rel=wdiff)
+                       weights_rel=wdiff, step=step, bf16_diff=bf16_diff)
             failed |= max(row["loss_rel"], row["norm_rel"], row["weights_rel"], row["logp_mean"]) > args.tol
+            failed |= step < args.min_step
             del engine
         except Exception:  # noqa: BLE001 - report the layout and go on with the next
             row = dict(layout=name, error=traceback.format_exc(limit=4).strip().splitlines()[-1])
@@ -184,9 +220,10 @@ def main() -> int:
         rows.append(row)
     if rank == 0:
         print(f"\nmegatron vs FSDP engine, {args.model}, {world} x {device.type}, bf16={device.type == 'cuda'}; "
-              f"FSDP: loss {base_loss:.6f}, grad_norm {base_norm:.5f}; {int(mask.sum())} response tokens")
+              f"FSDP: loss {base_loss:.6f}, grad_norm {base_norm:.5f}, fsdp step {fsdp_step:.3f}; "
+              f"{int(mask.sum())} response tokens")
         print(f"{'layout':8} {'|dlogp| max':>12} {'|dlogp| mean':>13} {'loss':>11} {'loss rel':>9} "
-              f"{'grad_norm':>10} {'norm rel':>9} {'weights rel':>12}")
+              f"{'grad_norm':>10} {'norm rel':>9} {'weights rel':>12} {'step':>6} {'bf16 diff':>10}")
         for r in rows:
             if "skipped" in r:
                 print(f"{r['layout']:8} skipped: {r['skipped']}")
@@ -194,7 +231,8 @@ def main() -> int:
                 print(f"{r['layout']:8} ERROR {r['error']}")
             else:
                 print(f"{r['layout']:8} {r['logp_max']:12.3e} {r['logp_mean']:13.3e} {r['loss']:11.6f} "
-                      f"{r['loss_rel']:9.2e} {r['norm']:10.5f} {r['norm_rel']:9.2e} {r['weights_rel']:12.3e}")
+                      f"{r['loss_rel']:9.2e} {r['norm']:10.5f} {r['norm_rel']:9.2e} {r['weights_rel']:12.3e} "
+                      f"{r['step']:6.3f} {r['bf16_diff']:10.4f}")
         print("FAILED" if failed else "OK")
     dist.destroy_process_group()
     return 1 if failed else 0

@@ -21,7 +21,8 @@ over data-parallel ranks (scaling factor 1) and ignores the token total the sche
 ``finalize_model_grads``. The distributed optimizer (ZeRO-1 over dp) applies AdamW with weight decay
 on every parameter and the same LR schedule as the FSDP engine; the gradient norm is checked for
 NaN/inf before the step. On CUDA parameters are bf16 (megatron ``Float16Module``) with fp32 main
-weights in the optimizer; on CPU everything is fp32.
+weights in the optimizer, seeded from the loaded fp32 weights (not from their bf16 rounding, see
+``MegatronEngine._main_params_from``); on CPU everything is fp32.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ class MegatronEngine:
         del hf_model, hf_state
         for chunk in chunks:
             chunk.to(device)
+        # the loaded fp32 weights, kept through the bf16 cast (the same tensors: no copy) to seed the
+        # optimizer's fp32 main weights (see _main_params_from)
+        fp32_weights = {p: p.data for chunk in chunks for p in chunk.parameters()} if self.on_gpu and trainable else {}
         if self.on_gpu:
             from megatron.core.transformer.module import Float16Module
 
@@ -130,6 +134,9 @@ class MegatronEngine:
             assert actor is not None
             self.model = self._wrap_ddp(chunks)
             self.optimizer = self._build_optimizer(actor)
+            if fp32_weights:
+                self._main_params_from(fp32_weights)
+            del fp32_weights
         else:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -166,6 +173,27 @@ class MegatronEngine:
         if "config_overrides" in inspect.signature(get_megatron_optimizer).parameters:
             return get_megatron_optimizer(config, self.model, config_overrides={})
         return get_megatron_optimizer(config, self.model, no_weight_decay_cond=lambda name, param: False)
+
+    @torch.no_grad()
+    def _main_params_from(self, fp32_weights: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+        """Set the optimizer's fp32 main weights to the loaded fp32 weights.
+
+        megatron-core's distributed optimizer creates its main weights by upcasting the bf16 model
+        parameters, i.e. from the checkpoint ROUNDED to bf16. Every main weight then starts exactly
+        on a bf16 grid point, and the bf16 compute weight (the main weight rounded) changes only once
+        the accumulated updates pass half a bf16 step (2^-9 relative: ~1e-4 for a weight of 0.05, or
+        ~50 AdamW steps of lr 2e-6). The FSDP engine keeps the checkpoint's fp32 weights, which lie
+        anywhere between grid points, so a small step moves the bf16 compute weights by the step on
+        average from the first update. Seen on SmolLM2-135M (a dequantised GGUF: fp32 weights off
+        the bf16 grid), lr 2e-6: the megatron actor moved ~50x less per step than the FSDP one
+        (kl_loss 0.0014 vs 0.13 after one step). Each main weight is this rank's shard (its range
+        in the flattened parameter) of one model parameter."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for model_group, main_group in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+                for model_param, main_param in zip(model_group, main_group):
+                    span = opt._get_model_param_range_map(model_param)["param"]
+                    source = fp32_weights[model_param].reshape(-1)[span.start:span.end]
+                    main_param.copy_(source.to(main_param.device, main_param.dtype))
 
     def _chunks(self) -> list[torch.nn.Module]:
         """The GPTModel of every chunk (under DDP / Float16Module wrappers)."""
