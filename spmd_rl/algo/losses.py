@@ -199,9 +199,7 @@ def ppo_clip(
     clipped = torch.maximum(pg1, pg2)
     pg3 = -advantages * clip_c
     final = torch.where(advantages < 0, torch.minimum(clipped, pg3), clipped)
-    if token_weights is not None:  # e.g. truncated IS weights of the rollout mismatch (no gradient)
-        _check_same_shape("logprobs", logprobs, "token_weights", token_weights)
-        final = final * token_weights.detach()
+    final = _apply_token_weights(final, token_weights)
 
     loss = aggregate(
         final, response_mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs
@@ -215,6 +213,15 @@ def ppo_clip(
             ),
         }
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def _apply_token_weights(per_token: torch.Tensor, token_weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """``per_token * token_weights`` (e.g. truncated IS weights of the rollout mismatch), no gradient
+    through the weights; unchanged when there are none."""
+    if token_weights is None:
+        return per_token
+    _check_same_shape("policy loss", per_token, "token_weights", token_weights)
+    return per_token * token_weights.detach()
 
 
 def gspo(
@@ -248,9 +255,7 @@ def gspo(
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     final = torch.maximum(pg1, pg2)
-    if token_weights is not None:
-        _check_same_shape("logprobs", logprobs, "token_weights", token_weights)
-        final = final * token_weights.detach()
+    final = _apply_token_weights(final, token_weights)
 
     loss = aggregate(
         final, response_mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs
