@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from shapes import random_grpo_batch  # noqa: E402
 from spmd_rl.algo.objective import actor_objective  # noqa: E402
 from spmd_rl.config import ActorConfig, AlgoConfig, FsdpConfig  # noqa: E402
 from spmd_rl.data.batch import RolloutBatch  # noqa: E402
@@ -37,24 +39,9 @@ from spmd_rl.models import resolve_model_path  # noqa: E402
 
 
 def make_batch(args: argparse.Namespace, vocab: int) -> RolloutBatch:
-    g = torch.Generator().manual_seed(args.seed)
-    prompts_n = args.rows // args.n
-    lo, hi = args.prompt_len
-    prompts = [torch.randint(3, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(prompts_n)]
-    median = max(args.max_response * 0.3, 1.0)
-    lengths = (torch.randn(args.rows, generator=g) * 0.7 + torch.log(torch.tensor(median))).exp()
-    lengths = lengths.round().clamp(4, args.max_response).long()
-    t = int(lengths.max())
-    mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
-    ids = torch.where(mask.bool(), torch.randint(3, vocab, (args.rows, t), generator=g), 0)
-    noise = torch.randn(args.rows, t, generator=g)
-    return RolloutBatch(
-        prompts=[prompts[i // args.n] for i in range(args.rows)],
-        tensors={"response_ids": ids, "response_mask": mask, "group_index": torch.arange(args.rows) // args.n,
-                 "advantages": torch.randn(args.rows, 1, generator=g).expand(args.rows, t) * mask,
-                 "old_logprobs": (-2.0 + 0.1 * noise) * mask, "ref_logprobs": (-2.0 + 0.2 * noise) * mask},
-    )
+    return random_grpo_batch(rows=args.rows, n=args.n, vocab=vocab, prompt_len=tuple(args.prompt_len),
+                             response_median=max(args.max_response * 0.3, 1.0), response_min=4,
+                             response_max=args.max_response, sigma=0.7, logprob=-2.0, seed=args.seed)
 
 
 def grid_tokens(engine: FSDPEngine, micros: list[RolloutBatch]) -> int:

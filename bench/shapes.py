@@ -6,6 +6,12 @@ Built once per shape under ``root`` (global rank 0 writes, then a barrier over `
 config of the named size, weights drawn by transformers' initialiser (seed 0) and stored in bf16,
 and the project's character tokenizer (its ids are the low end of the 151936-token vocabulary;
 sampled ids beyond it decode to nothing). ``tiny`` is a small shape for CPU runs of the scripts.
+
+    batch = random_grpo_batch(rows=256, n=8, vocab=151936, prompt_len=(64, 256), response_median=200,
+                              response_min=8, response_max=1024, sigma=0.6, logprob=-12.0, seed=0)
+
+:func:`random_grpo_batch` is the benchmarks' GRPO batch: random prompts and responses with
+log-normal response lengths, random advantages, old / reference log-probs near ``logprob``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,32 @@ SHAPES: dict[str, dict[str, object]] = {
 }
 COMMON = dict(max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False,
               attention_dropout=0.0)
+
+
+def random_grpo_batch(*, rows: int, n: int, vocab: int, prompt_len: tuple[int, int], response_median: float,
+                      response_min: int, response_max: int, sigma: float, logprob: float, seed: int):
+    """``rows`` responses (``n`` per prompt) of random ids in ``[3, vocab)``: prompt lengths uniform in
+    ``prompt_len``, response lengths log-normal (median ``response_median``, log-sigma ``sigma``)
+    clipped to ``[response_min, response_max]``; advantages N(0, 1) per response; old / reference
+    log-probs ``logprob`` plus small noise. Deterministic for ``seed``."""
+    from spmd_rl.data.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = prompt_len
+    prompts = [torch.randint(3, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(rows // n)]
+    lengths = (torch.randn(rows, generator=g) * sigma + torch.log(torch.tensor(float(response_median)))).exp()
+    lengths = lengths.round().clamp(response_min, response_max).long()
+    t = int(lengths.max())
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
+    ids = torch.where(mask.bool(), torch.randint(3, vocab, (rows, t), generator=g), 0)
+    noise = torch.randn(rows, t, generator=g)
+    return RolloutBatch(
+        prompts=[prompts[i // n] for i in range(rows)],
+        tensors={"response_ids": ids, "response_mask": mask, "group_index": torch.arange(rows) // n,
+                 "advantages": torch.randn(rows, 1, generator=g).expand(rows, t) * mask,
+                 "old_logprobs": (logprob + 0.1 * noise) * mask, "ref_logprobs": (logprob + 0.2 * noise) * mask},
+    )
 
 
 def model_folder(shape: str, *, root: str) -> str:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shapes import default_root, model_folder  # noqa: E402
+from shapes import default_root, model_folder, random_grpo_batch  # noqa: E402
 
 from spmd_rl.algo.objective import actor_objective  # noqa: E402
 from spmd_rl.config import ActorConfig, AlgoConfig, FsdpConfig  # noqa: E402
@@ -59,23 +59,9 @@ from spmd_rl.models import FlopsModel  # noqa: E402
 
 
 def make_batch(args: argparse.Namespace, vocab: int, seed: int) -> RolloutBatch:
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = args.prompt_len
-    n = args.n
-    prompts = [torch.randint(3, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(args.rows // n)]
-    lengths = (torch.randn(args.rows, generator=g) * 0.6 + torch.log(torch.tensor(float(args.response_median)))).exp()
-    lengths = lengths.round().clamp(8, args.response_max).long()
-    t = int(lengths.max())
-    mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
-    ids = torch.where(mask.bool(), torch.randint(3, vocab, (args.rows, t), generator=g), 0)
-    noise = torch.randn(args.rows, t, generator=g)
-    return RolloutBatch(
-        prompts=[prompts[i // n] for i in range(args.rows)],
-        tensors={"response_ids": ids, "response_mask": mask, "group_index": torch.arange(args.rows) // n,
-                 "advantages": torch.randn(args.rows, 1, generator=g).expand(args.rows, t) * mask,
-                 "old_logprobs": (-12.0 + 0.1 * noise) * mask, "ref_logprobs": (-12.0 + 0.2 * noise) * mask},
-    )
+    return random_grpo_batch(rows=args.rows, n=args.n, vocab=vocab, prompt_len=tuple(args.prompt_len),
+                             response_median=args.response_median, response_min=8, response_max=args.response_max,
+                             sigma=0.6, logprob=-12.0, seed=seed)
 
 
 def _sync(device: torch.device) -> None:
