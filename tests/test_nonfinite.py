@@ -1,5 +1,6 @@
 """A NaN/inf gradient norm: the update is dropped (weights and LR schedule untouched), the cause is
-named, and the run stops unless ``actor.skip_nonfinite_updates`` allows that many in a row."""
+named (down to the module or autograd node that made it, by a replay under
+``engine.nanwatch``), and the run stops unless ``actor.skip_nonfinite_updates`` allows that many in a row."""
 
 from __future__ import annotations
 
@@ -64,6 +65,46 @@ def test_first_nonfinite_update_stops_the_run_and_names_the_cause(folder):
     rank0 = results[0]["events"][0][1]
     assert "1 of 2 micro-batch losses non-finite on this rank" in rank0
     assert "first: model." in rank0  # the parameters with NaN gradients are named
+    # the replay names the multiplication by NaN in loss_fn, where it was written
+    assert "replayed: micro-batch 1 of 2" in rank0
+    assert "backward: MulBackward0 returned a non-finite gradient" in rank0 and "test_nonfinite.py" in rank0
+    assert "made no NaN/inf" in results[1]["events"][0][1]  # rank 1's own micro-batches are clean
+
+
+def _poisoned_forward_body(rank: int, world_size: int, folder: str) -> str:
+    """A NaN at one position the loss never reads (the last column of row 0, after the last layer's
+    MLP) on rank 0: every loss is finite, the final norm's weight gradient is not."""
+    engine = FSDPEngine(model_folder=folder, mesh=FsdpLayout(world_size).build("cpu"), device=torch.device("cpu"),
+                        fsdp=FsdpConfig(), actor=ActorConfig(lr=1e-2), total_updates=10, trainable=True,
+                        pad_token_id=PAD)
+    mlp = engine.model.model.layers[-1].mlp
+    clean = mlp.forward
+
+    def poisoned(x):
+        out = clean(x)
+        if rank == 0:
+            out = out.clone()
+            out[0, -1] = float("nan")
+        return out
+
+    mlp.forward = poisoned
+    micros = engine.micro_batches(make_batch(folder), micro_batch_size=8)
+
+    def loss_fn(logprobs, entropy, micro):
+        return -(logprobs * micro["response_mask"]).sum() / 100.0, {}
+
+    with pytest.raises(FloatingPointError) as e:
+        engine.train_mini_batch(micros, loss_fn, temperature=1.0, need_entropy_grad=False)
+    return str(e.value)
+
+
+def test_a_nan_the_loss_never_reads_is_traced_to_the_module_that_made_it(folder):
+    rank0, rank1 = run_distributed(_poisoned_forward_body, 2, folder)
+    assert "0 of 2 micro-batch losses non-finite on this rank" in rank0
+    assert "forward: model.layers.1.mlp (LlamaMLP) turned finite inputs into a non-finite output" in rank0
+    assert "first [(0, " in rank0  # row 0 of the grid
+    assert "backward: " in rank0 and "modeling_llama.py" in rank0  # the node that spread it, with its source line
+    assert "made no NaN/inf" in rank1
 
 
 def test_skipped_updates_leave_weights_alone_until_the_streak_is_too_long(folder):

@@ -43,6 +43,7 @@ from spmd_rl.config import ActorConfig, FsdpConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.engine import packing, ulysses
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens
+from spmd_rl.engine.nanwatch import NonfiniteWatch
 from spmd_rl.models import load_causal_lm
 
 log = logging.getLogger("spmd_rl")
@@ -288,6 +289,7 @@ class FSDPEngine:
         if not math.isfinite(grad_norm):
             # grad_norm is reduced over the whole mesh, so every rank takes this branch together.
             cause = self._nonfinite_cause(int(bad_losses), len(micro_batches))
+            cause += "; " + self._replay_nonfinite(micro_batches, loss_fn, temperature, need_entropy_grad)
             self.optimizer.zero_grad(set_to_none=True)
             self._nonfinite_streak += 1
             if self._nonfinite_streak > self.skip_nonfinite:
@@ -316,6 +318,25 @@ class FSDPEngine:
         where = f"non-finite gradients in {len(names)} parameter shard(s) on this rank"
         where += f", first: {', '.join(names[:4])}" if names else " (the non-finite part is on other ranks)"
         return f"{bad_losses} of {micro_batches} micro-batch losses non-finite on this rank; {where}"
+
+    def _replay_nonfinite(self, micro_batches: list[RolloutBatch], loss_fn: LossFn, temperature: float,
+                          need_entropy_grad: bool) -> str:
+        """Run the mini-batch again under a :class:`NonfiniteWatch` and say where its first NaN/inf
+        was made (module in the forward, autograd node in the backward). Every rank replays all its
+        micro-batches, so FSDP's collectives stay matched; the gradients are thrown away."""
+        self.optimizer.zero_grad(set_to_none=True)
+        found = []
+        for i, micro in enumerate(micro_batches):
+            with NonfiniteWatch(self.model) as watch:
+                logprobs, entropy = self._forward(micro, temperature, "grad" if need_entropy_grad else "detached")
+                loss, _ = loss_fn(logprobs, entropy, micro)
+                watch.track(loss)
+                loss.backward()
+            if watch.found:
+                found.append(f"micro-batch {i + 1} of {len(micro_batches)} ({len(micro)} responses): {watch.report()}")
+        if not found:
+            return "a replay of this rank's micro-batches made no NaN/inf (not reproducible here, or on other ranks)"
+        return "replayed: " + found[0] + (f" (and {len(found) - 1} more micro-batch(es))" if len(found) > 1 else "")
 
     def _clip_grad_norm(self, params: list[torch.nn.Parameter]) -> float:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=self.on_gpu)
