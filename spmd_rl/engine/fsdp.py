@@ -19,9 +19,9 @@ gradient reduction; on CPU everything is fp32.
 
 Ulysses sequence parallelism (``sp_group``), packed sequences (``use_packing``) and token-budget
 micro-batches (``max_tokens_per_gpu``) live in :mod:`spmd_rl.engine.ulysses` and
-:mod:`spmd_rl.engine.packing`; with sp or packing the model runs our varlen SDPA attention
-function (torch's flash varlen kernel on GPU, a block-diagonal SDPA mask on CPU), otherwise
-transformers' stock SDPA. Every forward returns ``[B, T]`` response log-probs whatever the layout,
+:mod:`spmd_rl.engine.packing`. Whatever the layout, the model runs our attention function over the
+causal runs of each row, padding being a run of its own (torch's flash varlen kernel on GPU, a
+block-diagonal SDPA mask on CPU): no query row is ever fully masked. Every forward returns ``[B, T]`` response log-probs whatever the layout,
 so loss functions never see it. The LM head is a :class:`~spmd_rl.engine.head.LogprobHead`: it
 scores only response positions, a chunk of positions at a time. On GPU AdamW is the fused kernel.
 """
@@ -120,15 +120,13 @@ class FSDPEngine:
         self.sp_rank = dist.get_rank(sp_group) if self.sp_group is not None else 0
         self.use_packing = use_packing
         self.max_tokens_per_gpu = max_tokens_per_gpu
-        # stock SDPA cannot see whole sequences from a slice, nor segments inside a packed row
-        self.varlen_attention = self.sp_group is not None or use_packing
-        # on GPU with bf16 compute that attention is torch's flash varlen kernel; on CPU a dense mask
-        self.flash_varlen = self.varlen_attention and self.on_gpu and ulysses.flash_varlen_available()
-
-        if self.varlen_attention:
-            ulysses.register_attention()
+        # Attention is always our own function over the causal runs of each row (padding is a run of its
+        # own): torch's flash varlen kernel on GPU, SDPA with the block-causal mask on CPU. Stock SDPA with
+        # a padding mask would give left-padded positions fully masked rows and run the masked kernels.
+        self.flash_varlen = self.on_gpu and ulysses.flash_varlen_available()
+        ulysses.register_attention()
         model = load_causal_lm(model_folder, dtype=torch.float32, trust_remote_code=trust_remote_code,
-                               attn_implementation=ulysses.ATTENTION_NAME if self.varlen_attention else "sdpa")
+                               attn_implementation=ulysses.ATTENTION_NAME)
         if self.sp_group is not None:
             ulysses.check_heads(model.config, self.sp_size)
         model.config.use_cache = False
@@ -194,17 +192,11 @@ class FSDPEngine:
         mine = (pos_cols >= lo) & (pos_cols < lo + width)
         dev = self.device
         sel = (pos_rows[mine].to(dev), (pos_cols[mine] - lo).to(dev))  # in this rank's [R, W/k] slice
-        extra: dict[str, object] = {}
         if self.flash_varlen:
             cu, longest = ulysses.varlen_runs(flat.segment_ids)
-            extra["spmd_attn"] = ulysses.AttnSpec(cu_seqlens=cu.to(dev), max_seqlen=longest, sp_group=self.sp_group)
-            attention_mask = None
-        elif self.varlen_attention:
-            extra["spmd_attn"] = ulysses.AttnSpec(mask=ulysses.block_causal_mask(flat.segment_ids.to(dev)),
-                                                  sp_group=self.sp_group)  # [R, 1, W, W], built on the device
-            attention_mask = None
-        else:
-            attention_mask = flat.attention_mask.to(dev)
+            attn = ulysses.AttnSpec(cu_seqlens=cu.to(dev), max_seqlen=longest, sp_group=self.sp_group)
+        else:  # [R, 1, W, W], built on the device
+            attn = ulysses.AttnSpec(mask=ulysses.block_causal_mask(flat.segment_ids.to(dev)), sp_group=self.sp_group)
         labels = flat.labels[:, lo:lo + width].to(dev)[sel]
         self._head.request = HeadRequest(positions=sel, labels=labels, entropy=entropy,  # type: ignore[arg-type]
                                          temperature=temperature if temperature > 0 else 1.0,
@@ -212,10 +204,10 @@ class FSDPEngine:
         try:
             out = self.model(
                 input_ids=flat.input_ids[:, lo:lo + width].to(dev),
-                attention_mask=attention_mask,
+                attention_mask=None,  # our attention takes its layout from spmd_attn
                 position_ids=flat.position_ids[:, lo:lo + width].to(dev),
                 use_cache=False,
-                **extra,
+                spmd_attn=attn,
             )
         finally:
             self._head.request = None

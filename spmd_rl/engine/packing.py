@@ -54,11 +54,6 @@ class FlatBatch:
     def width(self) -> int:
         return int(self.input_ids.shape[1])
 
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        """2D padding mask for the padded layout (what stock SDPA takes)."""
-        return (self.segment_ids >= 0).long()
-
 
 def _round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
