@@ -96,14 +96,12 @@ class FSDPEngine:
         max_tokens_per_gpu: int | None = None,
         param_offload: bool | None = None,
         logits_chunk_tokens: int | None = None,
-        compile_layers: bool = False,
     ) -> None:
         """``group``: every rank running this engine in lockstep (the pool; None = the world);
         dynamic micro-batch counts are agreed over it. ``sp_group``: this rank's Ulysses group
         (None or size 1 = off). ``param_offload`` overrides ``fsdp.param_offload`` (the reference
         engine follows ``ref.param_offload``). ``logits_chunk_tokens``: positions per chunk of the
-        log-prob head (None = 1 GiB of fp32 logits per chunk, see :mod:`spmd_rl.engine.head`).
-        ``compile_layers``: ``torch.compile`` each decoder layer (GPU; names and state dict unchanged)."""
+        log-prob head (None = 1 GiB of fp32 logits per chunk, see :mod:`spmd_rl.engine.head`)."""
         if trainable and actor is None:
             raise ValueError("a trainable FSDPEngine needs the actor config section")
         self.device = device
@@ -138,7 +136,7 @@ class FSDPEngine:
             model.requires_grad_(False)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.on_gpu else MixedPrecisionPolicy()
         for layer in _decoder_layers(model):
-            if compile_layers:
+            if fsdp.compile_layers:
                 layer.compile(dynamic=True)  # in place: module identity and parameter names stay
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
