@@ -86,19 +86,22 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_w = None
         single = n <= ctx.chunk
         for s in range(0, n if g_logp is not None or g_ent is not None else 0, ctx.chunk):
+            # In place on the [chunk, V] fp32 tensors (the bandwidth of this loop is its cost): the
+            # recomputed logits become p, then dz; saved logits are left intact. 1/T is folded into
+            # the [chunk] gradients rather than applied to the [chunk, V] result.
             h = hidden[s:s + ctx.chunk]
             z = ctx.saved_z if ctx.saved_z is not None else _scaled_logits(h, weight, t)
             lse = lse_all[s:s + ctx.chunk, None]
-            p = torch.exp(z - lse)
-            dz = torch.zeros_like(z)
-            if g_logp is not None:
-                g = g_logp[s:s + ctx.chunk, None].to(z.dtype)
-                dz = dz - p * g
-                dz.scatter_add_(-1, labels[s:s + ctx.chunk, None], g)
+            coeff = None  # dH/dz = p * (lse - H - z): needs z, so taken before z becomes p
             if g_ent is not None:
-                dz = dz + g_ent[s:s + ctx.chunk, None] * p * (lse - ent[s:s + ctx.chunk, None] - z)
-            if t != 1.0:
-                dz = dz / t
+                coeff = (lse - ent[s:s + ctx.chunk, None]).sub(z).mul_(g_ent[s:s + ctx.chunk, None].to(z.dtype) / t)
+            p = (z - lse).exp_() if ctx.saved_z is not None else z.sub_(lse).exp_()
+            if g_logp is not None:
+                g = g_logp[s:s + ctx.chunk, None].to(z.dtype) / t
+                dz = p.mul_(coeff.sub_(g) if coeff is not None else -g)
+                dz.scatter_add_(-1, labels[s:s + ctx.chunk, None], g)
+            else:
+                dz = p.mul_(coeff)
             dz = dz.to(weight.dtype)  # what autograd of .float() hands the bf16 linear
             if need_h:
                 grad_h[s:s + ctx.chunk] = dz @ weight
@@ -119,7 +122,7 @@ class ChunkedLogprobs(torch.autograd.Function):
 def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     z = F.linear(hidden, weight)
     z = z if z.dtype in (torch.float32, torch.float64) else z.float()
-    return z / temperature if temperature != 1.0 else z
+    return z.div_(temperature) if temperature != 1.0 else z  # z is a fresh tensor outside autograd
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
