@@ -83,6 +83,8 @@ def run_ours(args: argparse.Namespace, folder: str, data: str, out_dir: str) -> 
     if args.packing:  # default budget: the tokens of one TRL micro-batch, so both run the same micro-batches
         budget = args.ours_max_tokens or args.micro_batch_size * (args.prompt_len + args.new_tokens)
         flags += ["--actor.use-packing", "--actor.max-tokens-per-gpu", str(budget)]
+    if args.ours_compile:
+        flags += ["--actor.fsdp.compile-layers"]
     cfg = load_config(flags)
     env = DistEnv.from_environ().init(device=cfg.trainer.device)
     from spmd_rl.trainer import Trainer
@@ -163,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True, help="ours: packed micro-batches")
     p.add_argument("--ours-max-tokens", type=int, default=None,
                    help="ours: tokens per packed micro-batch (default: those of one --micro-batch-size micro-batch)")
+    p.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the decoder layers "
+                   "(actor.fsdp.compile_layers)")
     p.add_argument("--only", choices=["both", "ours", "trl"], default="both")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--models", default=default_root())
