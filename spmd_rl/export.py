@@ -7,7 +7,8 @@
     export_hf("runs/x/checkpoints/step_40", "runs/x/hf")
 
 It reads only the ``actor.model`` entries of the DCP checkpoint (whole tensors stitched from every
-rank's shards, whatever the world size that saved them; no process group), writes
+rank's shards, whatever the world size that saved them; no process group), or for the megatron
+engine the ``actor.hf`` copy it saves under HF names, writes
 ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``
 when the weights exceed ``--max-shard-size``) and copies the config and tokenizer files that the
 checkpoint keeps in ``hf/``. ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` then loads the
@@ -30,6 +31,7 @@ import torch
 from spmd_rl.checkpoint import load_without_process_group, read_meta, resolve_checkpoint
 
 MODEL_KEY = "actor.model"
+HF_COPY_KEY = "actor.hf"
 DEFAULT_MAX_SHARD = "5GB"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,13 +50,17 @@ def parse_size(size: str | int) -> int:
 
 
 def load_model_state(ckpt: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The actor's full HF-named tensors from a checkpoint folder (or run / checkpoints folder)."""
+    """The actor's full HF-named tensors from a checkpoint folder (or run / checkpoints folder):
+    the FSDP engine's sharded weights (``actor.model``), or the HF copy that the megatron engine
+    saves next to its own shards (``actor.hf``)."""
     folder = resolve_checkpoint(ckpt)
-    state = load_without_process_group(folder, [MODEL_KEY])
-    try:
-        return state["actor"]["model"]
-    except KeyError:
-        raise ValueError(f"{folder} holds no {MODEL_KEY} entries; top-level entries: {sorted(state)}") from None
+    state = load_without_process_group(folder, [MODEL_KEY, HF_COPY_KEY])
+    actor = state.get("actor", {})
+    for key in ("model", "hf"):
+        if actor.get(key):
+            return actor[key]
+    raise ValueError(f"{folder} holds no {MODEL_KEY} or {HF_COPY_KEY} entries; top-level entries: {sorted(state)}, "
+                     f"actor entries: {sorted(actor)}")
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import HERE, REPO
 from spmd_rl.dist.testing import free_port
@@ -66,3 +67,25 @@ def test_megatron_train_checkpoint_and_exact_resume(tmp_path):
     resumed = steps(second)
     assert sorted(resumed) == [3]
     assert resumed[3] == got[3], {k: (resumed[3][k], got[3].get(k)) for k in resumed[3] if resumed[3][k] != got[3].get(k)}
+
+    # HF export of a megatron checkpoint (its actor.hf copy; one process, no megatron layout): the
+    # trained weights under HF names, loadable by transformers, equal between the two jobs' step 3
+    from transformers import AutoModelForCausalLM
+
+    from spmd_rl.export import export_hf, load_model_state
+    from spmd_rl.models import resolve_model_path
+
+    initial = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path("tiny-random", cache_dir=None, tiny={"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 0}))
+    exported = [load_model_state(os.path.join(run, "checkpoints", "step_3")) for run in (first, second)]
+    names = {n for n, _ in initial.named_parameters()}  # tied: no lm_head.weight
+    assert set(exported[0]) == names, set(exported[0]) ^ names
+    for name, p in initial.named_parameters():
+        a, b = exported[0][name], exported[1][name]
+        assert a.shape == p.shape and a.dtype == torch.float32, name
+        assert torch.equal(a, b), f"{name}: the resumed job's step-3 weights differ"
+    assert any(not torch.equal(exported[0][n], p.detach()) for n, p in initial.named_parameters()), "not trained"
+    folder = export_hf(first, tmp_path / "hf")  # the newest step of the run
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), exported[0][name]), name

@@ -394,11 +394,25 @@ class MegatronEngine:
         state: dict[str, object] = {"tensors": self._local_tensors()}
         if self.optimizer is not None:
             state["scheduler"] = {"updates": self.updates}
+            state["hf"] = self._hf_copy()
         return state
+
+    def _hf_copy(self) -> dict[str, torch.Tensor]:
+        """The full HF-named weights for ``python -m spmd_rl.export`` (which reads checkpoints in one
+        process, with no megatron layout): streamed over every rank (collective), kept on the CPU of
+        global rank 0 only, so the checkpoint holds them once. The model's own dtype: fp32 on CPU,
+        the bf16 compute weights on GPU."""
+        keep = dist.get_rank() == 0
+        out = {}
+        for name, tensor in self.named_full_tensors():
+            if keep:
+                out[name] = tensor.detach().to("cpu", copy=True)
+        return out
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore what :meth:`state_dict` returned (DCP filled the tensors in place); model shards
-        are loaded into the parameters, and step counts back into AdamW's state."""
+        are loaded into the parameters, and step counts back into AdamW's state. The HF copy is
+        for export only."""
         mine = self._local_tensors()
         for key, value in state["tensors"].items():  # type: ignore[union-attr]
             if value is not mine[key]:
