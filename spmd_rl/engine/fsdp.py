@@ -21,8 +21,8 @@ Ulysses sequence parallelism (``sp_group``), packed sequences (``use_packing``) 
 micro-batches (``max_tokens_per_gpu``) live in :mod:`spmd_rl.engine.ulysses` and
 :mod:`spmd_rl.engine.packing`. Whatever the layout, the model runs our attention function over the
 causal runs of each row, padding being a run of its own (torch's flash varlen kernel on GPU, a
-block-diagonal SDPA mask on CPU): no query row is ever fully masked. Every forward returns ``[B, T]`` response log-probs whatever the layout,
-so loss functions never see it. The LM head is a :class:`~spmd_rl.engine.head.LogprobHead`: it
+block-diagonal SDPA mask on CPU): no query row is ever fully masked. Every forward returns
+``[B, T]`` response log-probs whatever the layout, so loss functions never see it. The LM head is a :class:`~spmd_rl.engine.head.LogprobHead`: it
 scores only response positions, a chunk of positions at a time. On GPU AdamW is the fused kernel.
 """
 
@@ -120,7 +120,8 @@ class FSDPEngine:
         self.max_tokens_per_gpu = max_tokens_per_gpu
         # Attention is always our own function over the causal runs of each row (padding is a run of its
         # own): torch's flash varlen kernel on GPU, SDPA with the block-causal mask on CPU. Stock SDPA with
-        # a padding mask would give left-padded positions fully masked rows and run the masked kernels.
+        # a padding mask picked cuDNN attention on the H200, whose backward made NaN gradients at some
+        # batches (docs/RESULTS.md); its left padding also makes fully masked query rows.
         self.flash_varlen = self.on_gpu and ulysses.flash_varlen_available()
         ulysses.register_attention()
         model = load_causal_lm(model_folder, dtype=torch.float32, trust_remote_code=trust_remote_code,

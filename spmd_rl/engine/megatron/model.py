@@ -165,8 +165,8 @@ class CausalSDPA(torch.nn.Module):
     (flash / memory-efficient kernels on GPU: fp32 score accumulation, no ``[b, h, s, s]`` tensor).
 
     It replaces the local spec's ``DotProductAttention``, which forms the scores with a bf16
-    ``baddbmm`` before its fp32 softmax: on SmolLM2 that put the engine's bf16 log-probs 0.07 (mean
-    abs) away from the FSDP engine's (which runs flash attention), against 2e-3 on a random tiny model.
+    ``baddbmm`` before its fp32 softmax: on 2 H200s the engine's bf16 log-probs of a random 4-layer
+    model were 1.7e-3 (mean abs) from the FSDP engine's (flash attention) with it, 4.5e-5 with this.
     Same constructor and call as megatron's core attention; q ``[s, b, h, d]``, k / v ``[s, b, g, d]``
     -> ``[s, b, h * d]``, query groups shared natively (``enable_gqa``)."""
 
