@@ -28,6 +28,10 @@ SHAPES: dict[str, dict[str, object]] = {
     # Qwen2-1.5B: 28 layers, hidden 1536, 12 heads / 2 KV heads of 128, MLP 8960, vocab 151936, tied.
     "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                        num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    # SmolLM2-135M-like (the learning runs' model; as a Qwen2 config, so with q/k/v biases): 30 layers,
+    # hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, vocab 49152, tied.
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }

@@ -178,8 +178,10 @@ def profile_step(engine: FSDPEngine, micros: list, loss_fn, *, show: bool, label
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         engine.train_mini_batch(micros, loss_fn, temperature=1.0, need_entropy_grad=False)
         torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     if not show:
         return
     events = prof.key_averages()
@@ -192,7 +194,8 @@ def profile_step(engine: FSDPEngine, micros: list, loss_fn, *, show: bool, label
     for e in kernels:
         name = e.key.lower()
         share[next((g for g, keys in groups.items() if any(k in name for k in keys)), "other")] += e.self_device_time_total
-    print(f"profile {label}: kernels {total / 1e3:.1f} ms; " +
+    print(f"profile {label}: step {wall * 1e3:.1f} ms (profiled), kernels {total / 1e3:.1f} ms "
+          f"(the GPU busy {100 * total / 1e6 / wall:.0f} % of it); " +
           ", ".join(f"{g} {100 * t / total:.1f} %" for g, t in share.items()), flush=True)
     for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:15]:
         print(f"  {100 * e.self_device_time_total / total:5.1f} %  {e.self_device_time_total / 1e3:8.1f} ms  "
