@@ -14,7 +14,7 @@ import logging
 import sys
 
 from spmd_rl.config import load_config
-from spmd_rl.dist import dims
+from spmd_rl.dist.plan import plan
 from spmd_rl.dist.env import DistEnv
 from spmd_rl.metrics import setup_logging
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(env.rank, env.hostname)
     try:
         cfg = load_config(argv)
-        plan = dims.plan(cfg, env.world_size, env.local_world_size)  # every layout rule, before any group
+        run_plan = plan(cfg, env.world_size, env.local_world_size)  # every layout rule, before any group
         if cfg.pools.reward_ranks and cfg.reward.model.path is None:
             raise ValueError(f"pools.reward_ranks={cfg.pools.reward_ranks} makes a reward pool, but reward.model.path "
                              "is not set, so it would serve nothing: set --reward.model.path or --pools.reward_ranks 0")
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.utils.logging.disable_progress_bar()
 
-    groups = build_run_groups(plan, env, close_timeout_s=min(60.0, cfg.trainer.dist_timeout_s))
+    groups = build_run_groups(run_plan, env, close_timeout_s=min(60.0, cfg.trainer.dist_timeout_s))
     if groups.in_reward_pool:
         from spmd_rl.reward.server import serve_reward_pool
 

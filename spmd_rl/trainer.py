@@ -37,7 +37,7 @@ from spmd_rl.data import build_prompts
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.data.prompts import render_prompts
 from spmd_rl.data.sampler import PromptSampler
-from spmd_rl.dist import dims
+from spmd_rl.dist.plan import plan
 from spmd_rl.dist.comm import all_gather_objects, broadcast_object, fail_together, relayout
 from spmd_rl.dist.env import DistEnv, format_rank_table
 from spmd_rl.dist.world import RunGroups, build_run_groups
@@ -67,7 +67,7 @@ class Trainer:
         ``spmd_rl.train``, before the reward ranks go to their own loop); built here when None."""
         self.cfg = cfg
         self.env = env
-        self.plan = dims.plan(cfg, env.world_size, env.local_world_size) if groups is None else groups.plan
+        self.plan = plan(cfg, env.world_size, env.local_world_size) if groups is None else groups.plan
         if cfg.rollout.backend == "native" and cfg.rollout.tp * cfg.rollout.pp > 1:
             raise ValueError(
                 f"rollout.tp ({cfg.rollout.tp}) * rollout.pp ({cfg.rollout.pp}) > 1 needs a sharded rollout "

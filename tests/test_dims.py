@@ -10,7 +10,8 @@ import itertools
 import pytest
 
 from spmd_rl.config import ActorConfig, Config, DataConfig, FsdpConfig, MegatronConfig, PoolsConfig, RolloutConfig
-from spmd_rl.dist.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout, plan
+from spmd_rl.dist.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
+from spmd_rl.dist.plan import plan
 from spmd_rl.dist.pools import PoolSpec, get_spec, member_of, plan_pools
 
 SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]

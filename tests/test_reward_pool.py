@@ -76,14 +76,14 @@ class FailsOnSeven:
 
 
 def _setup(reward_ranks: int, world_size: int):
-    from spmd_rl.dist import dims
+    from spmd_rl.dist.plan import plan
     from spmd_rl.dist.env import DistEnv
     from spmd_rl.dist.world import build_run_groups
 
     env = DistEnv.from_environ().init(device="cpu")
     cfg = Config(pools=PoolsConfig(reward_ranks=reward_ranks), data=DataConfig(train_batch_size=2),
                  actor=ActorConfig(ppo_mini_batch_size=2), reward=RewardConfig(fn="none", model=RM))
-    return env, build_run_groups(dims.plan(cfg, world_size), env, close_timeout_s=10)
+    return env, build_run_groups(plan(cfg, world_size), env, close_timeout_s=10)
 
 
 def pool_body(rank: int, world_size: int, reward_ranks: int, failure: str) -> dict:

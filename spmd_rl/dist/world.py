@@ -1,7 +1,7 @@
 """The run's process groups, built once on every rank of the world before the pools part ways.
 
-    plan = dims.plan(cfg, env.world_size, env.local_world_size)
-    groups = build_run_groups(plan, env, close_timeout_s=60)   # collective over the whole world
+    run_plan = plan(cfg, env.world_size, env.local_world_size)     # spmd_rl.dist.plan
+    groups = build_run_groups(run_plan, env, close_timeout_s=60)   # collective over the whole world
     if groups.in_reward_pool: ... RewardServer ...           # spmd_rl.train dispatches here
     else: Trainer(cfg, env, groups=groups)
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-    from spmd_rl.dist.dims import Plan
+    from spmd_rl.dist.plan import Plan
 
 
 @dataclass
