@@ -87,21 +87,25 @@ class ChunkedLogprobs(torch.autograd.Function):
         single = n <= ctx.chunk
         for s in range(0, n if g_logp is not None or g_ent is not None else 0, ctx.chunk):
             # In place on the [chunk, V] fp32 tensors (the bandwidth of this loop is its cost): the
-            # recomputed logits become p, then dz; saved logits are left intact. 1/T is folded into
-            # the [chunk] gradients rather than applied to the [chunk, V] result.
+            # recomputed logits become p, then dz; saved logits are left intact. The arithmetic, and so
+            # every rounding, is that of -p*g + onehot*g + g_ent*p*(lse - H - z), then / T.
             h = hidden[s:s + ctx.chunk]
             z = ctx.saved_z if ctx.saved_z is not None else _scaled_logits(h, weight, t)
             lse = lse_all[s:s + ctx.chunk, None]
-            coeff = None  # dH/dz = p * (lse - H - z): needs z, so taken before z becomes p
-            if g_ent is not None:
-                coeff = (lse - ent[s:s + ctx.chunk, None]).sub(z).mul_(g_ent[s:s + ctx.chunk, None].to(z.dtype) / t)
+            # dH/dz = p * (lse - H - z) needs z: taken before z becomes p
+            c_minus_z = (lse - ent[s:s + ctx.chunk, None]) - z if g_ent is not None else None
             p = (z - lse).exp_() if ctx.saved_z is not None else z.sub_(lse).exp_()
+            ent_term = (g_ent[s:s + ctx.chunk, None] * p).mul_(c_minus_z) if g_ent is not None else None
             if g_logp is not None:
-                g = g_logp[s:s + ctx.chunk, None].to(z.dtype) / t
-                dz = p.mul_(coeff.sub_(g) if coeff is not None else -g)
+                g = g_logp[s:s + ctx.chunk, None].to(z.dtype)
+                dz = p.mul_(-g)
                 dz.scatter_add_(-1, labels[s:s + ctx.chunk, None], g)
+                if ent_term is not None:
+                    dz.add_(ent_term)
             else:
-                dz = p.mul_(coeff)
+                dz = ent_term
+            if t != 1.0:
+                dz.div_(t)
             dz = dz.to(weight.dtype)  # what autograd of .float() hands the bf16 linear
             if need_h:
                 grad_h[s:s + ctx.chunk] = dz @ weight
@@ -122,7 +126,7 @@ class ChunkedLogprobs(torch.autograd.Function):
 def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
     z = F.linear(hidden, weight)
     z = z if z.dtype in (torch.float32, torch.float64) else z.float()
-    return z.div_(temperature) if temperature != 1.0 else z  # z is a fresh tensor outside autograd
+    return z.div_(temperature) if temperature != 1.0 else z  # a fresh tensor, outside autograd
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
