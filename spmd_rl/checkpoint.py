@@ -68,6 +68,10 @@ _QUIET_KEYS = ("checkpoint.", "trainer.output_dir", "trainer.total_steps", "logg
 
 
 class Stateful(Protocol):
+    """What a checkpoint saves and a resume restores. A component whose saved state holds more than
+    a resume needs (the megatron engine's HF copy, for export only) also has ``state_dict_to_load()``:
+    the part a resume fills, so checkpoints written without the extra part still load."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -384,7 +388,7 @@ class Checkpointer:
         missing = sorted(set(self.components) - set(meta.get("components", [])))
         if missing:
             raise ValueError(f"checkpoint {self.source} has no state for {missing}; it holds {meta.get('components')}")
-        states = {name: comp.state_dict() for name, comp in self.components.items()}
+        states = {name: getattr(comp, "state_dict_to_load", comp.state_dict)() for name, comp in self.components.items()}
         dcp.load(states, storage_reader=dcp.FileSystemReader(str(self.source)), planner=SafeLoadPlanner(),
                  process_group=self.group)
         for name, comp in self.components.items():

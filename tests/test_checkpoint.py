@@ -24,8 +24,9 @@ import torch
 
 from conftest import HERE, REPO
 from spmd_rl.checkpoint import (
-    latest_checkpoint, list_checkpoints, resolve_checkpoint, rng_state, set_rng_state, truncate_metrics,
+    Checkpointer, latest_checkpoint, list_checkpoints, resolve_checkpoint, rng_state, set_rng_state, truncate_metrics,
 )
+from spmd_rl.config import CheckpointConfig
 from spmd_rl.dist.testing import free_port, run_distributed
 from spmd_rl.export import export_hf, load_model_state, parse_size
 from spmd_rl.models import resolve_model_path
@@ -234,3 +235,39 @@ def test_export_loads_in_transformers(reference, tmp_path):
                                 str(single), str(tmp_path / "engine"))
     print(f"\nengine (DCP) vs exported HF model log-probs over {result['tokens']:.0f} tokens: max abs diff {result['max']:.2e}")
     assert result["tokens"] > 20 and result["max"] <= 1e-4, result
+
+
+class _WithExportCopy:
+    """A component that saves more than a resume needs (like the megatron engine's HF copy)."""
+
+    def __init__(self, *, extra: bool) -> None:
+        self.x, self.extra = torch.zeros(3), extra
+
+    def state_dict(self) -> dict:
+        return {"x": self.x, **({"copy": torch.ones(2)} if self.extra else {})}
+
+    def state_dict_to_load(self) -> dict:
+        return {"x": self.x}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.x.copy_(state["x"])
+
+
+def _partial_state_body(rank: int, world_size: int, out_dir: str) -> tuple[int, list[float]]:
+    table = [{"rank": 0, "host": "h", "device": "cpu"}]
+    old = _WithExportCopy(extra=False)  # as saved by a version without the copy
+    old.x += 7.0
+    saver = Checkpointer(checkpoint=CheckpointConfig(), output_dir=out_dir, total_steps=2, rank_table=table)
+    saver.track(actor=old)
+    saver.save(2)
+    new = _WithExportCopy(extra=True)
+    loader = Checkpointer(checkpoint=CheckpointConfig(), output_dir=out_dir, total_steps=2, rank_table=table)
+    loader.track(actor=new)
+    return loader.resume(), new.x.tolist()
+
+
+def test_resume_fills_only_state_dict_to_load(tmp_path):
+    """A resume asks for ``state_dict_to_load()`` when a component has it: a checkpoint saved
+    without the export-only part still loads, and the part a resume needs is restored."""
+    (res,) = run_distributed(_partial_state_body, 1, str(tmp_path / "run"))
+    assert res == (2, [7.0, 7.0, 7.0])

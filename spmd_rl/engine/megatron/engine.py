@@ -389,12 +389,19 @@ class MegatronEngine:
                 group["lr"] = saved
 
     def state_dict(self) -> dict[str, object]:
+        """What a checkpoint saves: :meth:`state_dict_to_load`, plus (actor) the HF copy for export."""
+        state = self.state_dict_to_load()
+        if self.optimizer is not None:
+            state["hf"] = self._hf_copy()
+        return state
+
+    def state_dict_to_load(self) -> dict[str, object]:
+        """What a resume fills in place: this rank's model shards and AdamW state, the update count."""
         if self.optimizer is not None:
             self._ensure_optimizer_state()
         state: dict[str, object] = {"tensors": self._local_tensors()}
         if self.optimizer is not None:
             state["scheduler"] = {"updates": self.updates}
-            state["hf"] = self._hf_copy()
         return state
 
     def _hf_copy(self) -> dict[str, torch.Tensor]:
@@ -410,9 +417,8 @@ class MegatronEngine:
         return out
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore what :meth:`state_dict` returned (DCP filled the tensors in place); model shards
-        are loaded into the parameters, and step counts back into AdamW's state. The HF copy is
-        for export only."""
+        """Restore what :meth:`state_dict_to_load` returned (DCP filled the tensors in place); model shards
+        are loaded into the parameters, and step counts back into AdamW's state."""
         mine = self._local_tensors()
         for key, value in state["tensors"].items():  # type: ignore[union-attr]
             if value is not mine[key]:
