@@ -388,7 +388,8 @@ class Checkpointer:
         missing = sorted(set(self.components) - set(meta.get("components", [])))
         if missing:
             raise ValueError(f"checkpoint {self.source} has no state for {missing}; it holds {meta.get('components')}")
-        states = {name: getattr(comp, "state_dict_to_load", comp.state_dict)() for name, comp in self.components.items()}
+        states = {name: getattr(comp, "state_dict_to_load", comp.state_dict)()  # see Stateful
+                  for name, comp in self.components.items()}
         dcp.load(states, storage_reader=dcp.FileSystemReader(str(self.source)), planner=SafeLoadPlanner(),
                  process_group=self.group)
         for name, comp in self.components.items():
