@@ -82,7 +82,7 @@ def tiny_tied_folder(root: str) -> str:
     return root
 
 
-def _engine(folder: str, layout_kw: dict, *, trainable: bool = True):
+def _engine(folder: str, layout_kw: dict, *, trainable: bool = True, actor_kw: dict | None = None):
     from support.megatron_cpu import install_megatron_cpu_shims
 
     install_megatron_cpu_shims()
@@ -93,7 +93,7 @@ def _engine(folder: str, layout_kw: dict, *, trainable: bool = True):
     layout = MegatronLayout(dist.get_world_size(), **kw)
     mcfg = MegatronConfig(**kw, sequence_parallel=sp)
     return MegatronEngine(model_folder=folder, device=torch.device("cpu"), layout=layout, megatron=mcfg,
-                          actor=ActorConfig(**ACTOR) if trainable else None, total_updates=1,
+                          actor=ActorConfig(**{**ACTOR, **(actor_kw or {})}) if trainable else None, total_updates=1,
                           trainable=trainable, pad_token_id=PAD, seed=1), layout
 
 
@@ -291,3 +291,38 @@ def test_tied_embeddings_update_matches_fsdp_engine(world) -> None:
             # weights: the Adam first-step amplification of CHANGE_TOL (elements with |g| near eps) shows
             # at ~1e-5 here, where k_proj gradients are ~1e-3 of the rest; a wrong step would be ~1e-2
             assert rel(got, want) <= TOL and r["weights"][0] <= 10 * TOL, (name, rank, r)
+
+
+def _nonfinite_body(rank: int, world_size: int, folder: str, batch: RolloutBatch) -> list[tuple]:
+    """pp 2, ``actor.skip_nonfinite_updates=1``: NaN, clean, NaN, NaN losses in four updates."""
+    engine, _ = _engine(folder, dict(pp=2), actor_kw=dict(skip_nonfinite_updates=1))
+    micros = engine.micro_batches(batch, micro_batch_size=MICRO)
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in engine.named_full_tensors()}
+
+    events: list[tuple] = []
+    for poisoned in (True, False, True, True):
+        def loss_fn(logprobs, entropy, micro, poisoned=poisoned):
+            loss = -(logprobs * micro["response_mask"]).sum() / 100.0
+            return (loss * float("nan") if poisoned else loss), {}
+
+        before, updates = weights(), engine.updates
+        try:
+            stats = engine.train_mini_batch(micros, loss_fn, temperature=TEMPERATURE, need_entropy_grad=False)
+        except FloatingPointError as e:
+            unchanged = all(torch.equal(before[n], t) for n, t in weights().items())
+            events.append(("raised", "2 update(s) in a row" in str(e), unchanged))
+            break
+        changed = any(not torch.equal(before[n], t) for n, t in weights().items())
+        events.append(("skipped" if stats["skipped"] else "stepped", changed, engine.updates - updates))
+    _reset()
+    return events
+
+
+def test_nonfinite_updates_are_skipped_until_the_streak_is_too_long(folder: str, batch: RolloutBatch) -> None:
+    """As the FSDP engine (``tests/test_nonfinite.py``): a NaN gradient norm on every rank of the
+    pipeline drops the step (no weight change, the LR schedule stays), a clean step resets the
+    streak, and one NaN more than ``actor.skip_nonfinite_updates`` in a row stops the run."""
+    for events in run_distributed(_nonfinite_body, 2, folder, batch):
+        assert events == [("skipped", False, 0), ("stepped", True, 1), ("skipped", False, 0), ("raised", True, True)]

@@ -249,7 +249,8 @@ class ActorConfig:
     skip_nonfinite_updates: int = 0
     """Optimizer steps in a row with a NaN/inf gradient norm that are skipped (gradients dropped,
     weights and LR schedule unchanged, counted in `actor/skipped_updates`, the cause logged) before
-    the run stops with an error; 0 = stop at the first (FSDP engine)."""
+    the run stops with an error; 0 = stop at the first. The FSDP engine also replays the mini-batch
+    to name the module or autograd node that made the first NaN."""
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step (times `rollout.n` responses), over the whole world."""
     micro_batch_size: int = 8

@@ -20,13 +20,15 @@ trainer's ``loss_fn`` runs on the last pipeline stage on vocab-parallel log-prob
 over data-parallel ranks (scaling factor 1) and ignores the token total the schedule passes to
 ``finalize_model_grads``. The distributed optimizer (ZeRO-1 over dp) applies AdamW with weight decay
 on every parameter and the same LR schedule as the FSDP engine; the gradient norm is checked for
-NaN/inf before the step. On CUDA parameters are bf16 (megatron ``Float16Module``) with fp32 main
-weights in the optimizer, seeded from the loaded fp32 weights (not from their bf16 rounding, see
+NaN/inf before the step (the step is skipped up to ``actor.skip_nonfinite_updates`` times in a row,
+then an error). On CUDA parameters are bf16 (megatron ``Float16Module``) with fp32 main weights in
+the optimizer, seeded from the loaded fp32 weights (not from their bf16 rounding, see
 ``MegatronEngine._main_params_from``); on CPU everything is fp32.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -43,6 +45,8 @@ from spmd_rl.engine.megatron.groups import init_model_parallel
 from spmd_rl.engine.megatron.model import ModelSpec, build_chunks, check_layout, transformer_config
 from spmd_rl.engine.megatron.vocab import vocab_parallel_logprobs
 from spmd_rl.models import load_causal_lm
+
+log = logging.getLogger("spmd_rl")
 
 
 @dataclass
@@ -128,6 +132,7 @@ class MegatronEngine:
 
         self.optimizer = None
         self.updates = 0
+        self._nonfinite_streak = 0  # optimizer steps skipped in a row for a NaN/inf gradient norm
         self.actor = actor
         self.total_updates = total_updates
         if trainable:
@@ -328,11 +333,20 @@ class MegatronEngine:
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
         if not math.isfinite(grad_norm):
-            # the norm is reduced over every model- and data-parallel rank: all take this branch
-            raise FloatingPointError(
-                f"non-finite gradient norm ({grad_norm}) in the actor update: the loss or the "
-                "model produced NaN/inf. Lower --actor.lr, check the reward values, or resume from "
-                "the last checkpoint; the optimizer step was skipped and no weights changed")
+            # the norm is reduced over every model- and data-parallel rank: all take this branch; the
+            # gradients are dropped by the next call's zero_grad, the LR schedule does not advance
+            self._nonfinite_streak += 1
+            if self._nonfinite_streak > actor.skip_nonfinite_updates:
+                raise FloatingPointError(
+                    f"non-finite gradient norm ({grad_norm}) in the actor update, {self._nonfinite_streak} "
+                    "update(s) in a row: the loss or the model produced NaN/inf. Lower --actor.lr, check the "
+                    f"reward values, raise --actor.skip-nonfinite-updates (now {actor.skip_nonfinite_updates}) "
+                    "to skip such updates, or resume from the last checkpoint; the optimizer step was skipped "
+                    "and no weights changed")
+            log.warning("skipped an actor update with a non-finite gradient norm (%s in a row of at most %d)",
+                        self._nonfinite_streak, actor.skip_nonfinite_updates)
+            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
+        self._nonfinite_streak = 0
         if actor.grad_clip > 0:  # as megatron's own step: every optimizer (dense, expert) by the total norm
             from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
@@ -342,7 +356,7 @@ class MegatronEngine:
                     clip_grad_by_total_norm_fp32(params, max_norm=actor.grad_clip, total_norm=grad_norm)
         self.optimizer.step_with_ready_grads()
         self.updates += 1
-        return {"grad_norm": grad_norm, "lr": lr}
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0}
 
     # ------------------------------------------------------------------ weights out
     @torch.no_grad()
