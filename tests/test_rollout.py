@@ -17,6 +17,7 @@ from spmd_rl.models import load_causal_lm, load_tokenizer, resolve_model_path
 from spmd_rl.models.builtin import SMOLLM2_NAME
 from spmd_rl.rollout import GenerationOutput, NativeRollout, RolloutEngine, build_rollout
 from spmd_rl.rollout.native import filter_logits, sample_next
+from support.numerics import perturbed_copy
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 MESSAGES = ["What is 2+3?", "Hi", "Please add 17 and 25, then explain the result in words.", "7*8?"]
@@ -179,13 +180,7 @@ def test_generation_output_checks_shapes() -> None:
 def test_load_weights_changes_outputs_and_equals_fresh_model(folder: str, tok, prompts, tmp_path: Path) -> None:
     engine = make_engine(folder, tok)
     before = engine.generate(prompts, n=2, seed=5, **SAMPLING)
-    perturbed = load_causal_lm(folder, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in perturbed.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
-    perturbed.save_pretrained(tmp_path)
-    engine.load_weights((name, t.detach().clone()) for name, t in perturbed.state_dict().items())
+    engine.load_weights(perturbed_copy(folder, tmp_path, scale=0.5).items())
     after = engine.generate(prompts, n=2, seed=5, **SAMPLING)
     assert not torch.equal(before.response_ids, after.response_ids)
     fresh = make_engine(str(tmp_path), tok).generate(prompts, n=2, seed=5, **SAMPLING)

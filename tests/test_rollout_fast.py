@@ -23,6 +23,7 @@ from transformers import (
 from spmd_rl.models import load_causal_lm
 from spmd_rl.rollout import GenerationOutput, NativeRollout
 from spmd_rl.rollout.fast import FastDecoder, batch_buckets
+from support.numerics import perturbed_copy
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -159,13 +160,7 @@ def test_hot_swap_reaches_the_fast_path(root: Path, prompts, tmp_path: Path) -> 
     folder = build(root, "llama-mha-tied-bias")
     e = engine(folder)
     before = greedy(e, prompts)
-    perturbed = load_causal_lm(folder, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in perturbed.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    perturbed.save_pretrained(tmp_path)
-    e.load_weights((name, t.detach().clone()) for name, t in perturbed.state_dict().items())
+    e.load_weights(perturbed_copy(folder, tmp_path, scale=0.05).items())
     after = greedy(e, prompts)
     assert not torch.equal(before.response_ids, after.response_ids)
     assert_same(after, greedy(engine(str(tmp_path), fast=False), prompts))
