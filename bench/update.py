@@ -150,7 +150,8 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
                     print(f"{shape} {name}{suffix}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                 continue
             if args.profile and dev.type == "cuda":
-                profile_step(engine, micros, loss_fn, show=env.is_main, label=f"{shape} {name}{suffix}")
+                profile_step(engine, micros, loss_fn, show=env.is_main, label=f"{shape} {name}{suffix}",
+                             top=args.profile_top)
             s = statistics.median(seconds)
             peak = peak_flops(dev)
             row: dict[str, object] = {
@@ -170,10 +171,10 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
     return rows_out
 
 
-def profile_step(engine: FSDPEngine, micros: list, loss_fn, *, show: bool, label: str) -> None:
+def profile_step(engine: FSDPEngine, micros: list, loss_fn, *, show: bool, label: str, top: int) -> None:
     """One more step under torch.profiler: device time of the kernels by group (GEMM / attention /
-    the rest), then the 15 torch ops whose kernels took longest, to see what an MFU short of the
-    matmul peak is spent on."""
+    the rest), then the ``top`` torch ops and kernels that took longest, to see what an MFU short of
+    the matmul peak is spent on."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -197,9 +198,11 @@ def profile_step(engine: FSDPEngine, micros: list, loss_fn, *, show: bool, label
     print(f"profile {label}: step {wall * 1e3:.1f} ms (profiled), kernels {total / 1e3:.1f} ms "
           f"(the GPU busy {100 * total / 1e6 / wall:.0f} % of it); " +
           ", ".join(f"{g} {100 * t / total:.1f} %" for g, t in share.items()), flush=True)
-    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:15]:
-        print(f"  {100 * e.self_device_time_total / total:5.1f} %  {e.self_device_time_total / 1e3:8.1f} ms  "
-              f"x{e.count:<5d} {e.key[:100]}", flush=True)
+    for title, events in (("torch ops", ops), ("kernels", kernels)):
+        print(f"  top {top} {title} by device time:", flush=True)
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+            print(f"  {100 * e.self_device_time_total / total:5.1f} %  {e.self_device_time_total / 1e3:8.1f} ms  "
+                  f"x{e.count:<5d} {e.key[:110]}", flush=True)
 
 
 HEADER = (f"{'shape':11s} {'layout':22s} {'gpus':>4s} {'micro':>5s} {'tokens':>8s} {'s/step':>7s} {'tok/s':>9s} "
@@ -294,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP2 reshard_after_forward (off: parameters stay gathered, and cast, until the backward)")
     p.add_argument("--profile", action="store_true", help="GPU: one more step per layout under torch.profiler, "
-                   "kernel time by group and the top 15 ops")
+                   "kernel time by group, the top torch ops and kernels")
+    p.add_argument("--profile-top", type=int, default=15, help="how many ops and kernels --profile lists")
     p.add_argument("--gpus", type=int, nargs="+", default=None, help="run once per GPU count (torchrun) and compare")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--models", default=default_root(), help="where the random-weight model folders are built")

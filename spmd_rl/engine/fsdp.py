@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from spmd_rl.config import ActorConfig, FsdpConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.engine import packing, ulysses
-from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens
+from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available
 from spmd_rl.engine.nanwatch import NonfiniteWatch
 from spmd_rl.models import load_causal_lm
 
@@ -131,6 +131,7 @@ class FSDPEngine:
         model.config.use_cache = False
         self._head = LogprobHead.replace(model)  # log-probs at the requested positions, chunked over the vocab
         self.logits_chunk_tokens = logits_chunk_tokens or default_chunk_tokens(int(model.config.vocab_size))
+        self.fused_head = fused_available(device)  # compiled vocabulary kernels on CUDA (engine/head.py)
         if gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
@@ -199,7 +200,7 @@ class FSDPEngine:
         labels = flat.labels[:, lo:lo + width].to(dev)[sel]
         self._head.request = HeadRequest(positions=sel, labels=labels, entropy=entropy,  # type: ignore[arg-type]
                                          temperature=temperature if temperature > 0 else 1.0,
-                                         chunk_tokens=self.logits_chunk_tokens)
+                                         chunk_tokens=self.logits_chunk_tokens, fused=self.fused_head)
         try:
             out = self.model(
                 input_ids=flat.input_ids[:, lo:lo + width].to(dev),
