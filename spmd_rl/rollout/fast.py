@@ -6,9 +6,10 @@
     fast.release()   # frees the KV cache and the CUDA graphs (rollout sleep); fast.restore() reallocates
 
 :class:`~spmd_rl.rollout.native.NativeRollout` uses this automatically when the model qualifies and
-falls back to its Hugging Face loop otherwise. The decoder owns no weights: every forward reads the
-HF modules' parameters (embedding, q/k/v/o projections, norms, MLP, ``lm_head``), so ``load_weights``
-(in-place copies) keeps working and the norm / MLP / projection math is HF's own.
+falls back to its Hugging Face loop otherwise. The decoder reads the HF modules' own parameters, with
+one change made at construction: the q/k/v projections, and the MLP's gate/up projections, become
+one GEMM each (:class:`Fused`): their weights are rows of one tensor and the HF parameters are views
+of it, so ``load_weights`` (in-place copies by HF name) and the HF loop keep working unchanged.
 
 How a chunk of ``b`` left-padded rows runs:
 
@@ -19,19 +20,23 @@ How a chunk of ``b`` left-padded rows runs:
 * prefill: the prompts go through in row groups of at most ``prefill_tokens`` tokens, causal +
   padding mask (a padding query also sees itself, so no softmax row is empty), K/V written to slots
   ``0..P-1``; only the last position's logits are computed;
-* decode: one step = embed, per layer RMSNorm / q,k,v / RoPE (a table gathered by each row's
-  position) / write slot / SDPA over all slots with the row's valid-slot mask (query heads are grouped
-  by their KV head, so GQA needs no K/V copy) / o_proj / MLP, then norm, ``lm_head``, ``/ T`` and
-  ``logsumexp``; the step also advances the position and slot counters, so on CUDA the whole step is
-  one CUDA graph per batch bucket (powers of two below ``max_batch``, and ``max_batch``);
-* sampling on device after each step (outside the graph, so the caller's ``torch.Generator`` drives
-  it): greedy argmax, or the exponential race ``argmax(z - log E)`` over the top-k / top-p filtered
-  ``z = logits / T`` (the same distribution as ``sample_next``); the log-prob is ``z[tok] - lse``,
-  i.e. ``log_softmax(logits / T)`` before filtering, float32;
+* a step (:meth:`FastDecoder._step_body`) first SAMPLES from the logits the previous step left in
+  a static buffer and records the token, its log-prob and the live mask in static output buffers at
+  the step's column, then runs the decode FORWARD of that token: embed, per layer fused RMSNorm /
+  one q,k,v GEMM / RoPE on q and k together (a table gathered by each row's position) / write slot /
+  SDPA over all slots with the row's valid-slot mask (query heads grouped by their KV head, so GQA
+  needs no K/V copy) / o_proj / RMSNorm / one gate,up GEMM / down_proj, then norm, ``lm_head``,
+  ``/ T`` and ``logsumexp`` into the logits buffer. On CUDA the whole step, sampling included, is one
+  CUDA graph per batch bucket and sampling setting; the host only draws the step's uniforms and
+  replays it;
+* sampling is by inverse CDF: one uniform ``u`` per row (drawn from the caller's ``torch.Generator``,
+  outside the graph) picks the first token whose cumulative probability exceeds ``u``; top-k / top-p
+  filter ``z = logits / T`` first. Greedy is argmax. The log-prob is ``z[tok] - logsumexp(z)``, i.e.
+  ``log_softmax(logits / T)`` before filtering, float32;
 * every ``check_every`` steps (1 on CPU, 4 on CUDA: it costs a host sync) the live rows are counted:
-  all finished ends the chunk; if they fit a smaller bucket, the live rows' K/V and counters move to
-  the front (order kept) and the smaller bucket's graph runs from then on. Slots past the live rows
-  write their outputs to a spare row that is dropped.
+  all finished ends the chunk; if they fit a smaller bucket, the live rows' K/V, logits and counters
+  move to the front (order kept) and the smaller bucket's graph runs from then on. Slots past the
+  live rows write their outputs to a spare row that is dropped.
 """
 
 from __future__ import annotations
@@ -66,18 +71,23 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if rope_type not in STATIC_ROPE_TYPES:
         return f"RoPE type {rope_type!r} is not one of {STATIC_ROPE_TYPES}"
     for i, layer in enumerate(inner.layers):
-        attn = getattr(layer, "self_attn", None)
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"):
             if not hasattr(attn, name):
                 return f"layer {i} attention has no {name}"
         for name in ("q_norm", "k_norm"):
             if hasattr(attn, name):
                 return f"layer {i} attention has {name} (not a Llama / Qwen2 / Mistral attention)"
-        for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
-            if not hasattr(layer, name):
-                return f"layer {i} has no {name}"
+        for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
+            if not hasattr(mlp, name):
+                return f"layer {i} MLP has no {name} (not a gated Llama / Qwen2 / Mistral MLP)"
+        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            if not all(isinstance(m, torch.nn.Linear) for m in group):
+                return f"layer {i} has projections that are not nn.Linear"
+            if len({m.bias is None for m in group}) > 1:
+                return f"layer {i} has projections of one input with and without bias"
         for name in ("input_layernorm", "post_attention_layernorm"):
-            if not hasattr(getattr(layer, name), "variance_epsilon"):
+            if not hasattr(getattr(layer, name, None), "variance_epsilon"):
                 return f"layer {i} {name} is not an RMSNorm with variance_epsilon"
     if not hasattr(inner.norm, "variance_epsilon"):
         return "model.norm is not an RMSNorm with variance_epsilon"
@@ -90,8 +100,47 @@ def batch_buckets(max_batch: int) -> list[int]:
     return buckets + [max_batch]
 
 
+class Fused:
+    """``nn.Linear`` modules that read the same input, as one GEMM. Their weights (and biases) become
+    row ranges of one tensor and the modules' parameters views of those ranges, so an in-place copy into
+    a module's parameter (hot-swap) lands in the fused tensor. :meth:`replace` moves the storage (sleep)."""
+
+    def __init__(self, modules: tuple[torch.nn.Linear, ...]) -> None:
+        self.modules = modules
+        self.sizes = [m.out_features for m in modules]
+        self.weight = torch.cat([m.weight.data for m in modules])
+        self.bias = torch.cat([m.bias.data for m in modules]) if modules[0].bias is not None else None
+        self._bind()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for m in self.modules for p in (m.weight, m.bias) if p is not None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
+
+    def replace(self, tensors: list[torch.Tensor]) -> None:
+        """Use ``tensors`` (as :meth:`tensors` lists them, e.g. their host copies) as the storage."""
+        self.weight = tensors[0]
+        self.bias = tensors[1] if self.bias is not None else None
+        self._bind()
+
+    def _bind(self) -> None:
+        start = 0
+        for m, n in zip(self.modules, self.sizes):
+            m.weight.data = self.weight[start:start + n]
+            if self.bias is not None:
+                m.bias.data = self.bias[start:start + n]
+            start += n
+
+
 class FastDecoder:
     """Static-cache, graph-captured decoding over a HF Llama / Qwen2 / Mistral model (module docstring)."""
+
+    _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_slot", "_col", "_row_of", "_finished", "_temp", "_u", "_scaled",
+                     "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin")
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_batch: int, pad_token_id: int,
                  prefill_tokens: int = 16384) -> None:
@@ -108,11 +157,15 @@ class FastDecoder:
         self.group = self.heads // self.kv_heads
         self.head_dim = int(self.layers[0].self_attn.head_dim)
         self.scaling = float(self.layers[0].self_attn.scaling)
+        self.vocab = int(model.lm_head.out_features)
         windows = [getattr(layer.self_attn, "sliding_window", None) for layer in self.layers]
         if config.model_type == "mistral":
             windows.append(getattr(config, "sliding_window", None))
         windows = [w for w in windows if w]
         self.sliding_window: int | None = min(windows) if windows else None
+        self.qkv = [Fused((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)) for l in self.layers]
+        self.gate_up = [Fused((l.mlp.gate_proj, l.mlp.up_proj)) for l in self.layers]
+        self.fused: list[Fused] = self.qkv + self.gate_up
         self.buckets = batch_buckets(max_batch)
         self.pad_token_id = int(pad_token_id)
         self.prefill_tokens = prefill_tokens
@@ -120,7 +173,7 @@ class FastDecoder:
         self.check_every = 4 if self.use_graphs else 1
         self.cache: torch.Tensor | None = None
         self._shape: tuple[int, int] | None = None  # (rows, slots) of the last cache, for restore()
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, greedy, top_k, top_p) -> the step
         self._pool = None
         self.compactions = 0  # how many times live rows moved to a smaller bucket (tests read it)
 
@@ -135,10 +188,11 @@ class FastDecoder:
 
     def release(self) -> None:
         """Free the KV cache, the step's buffers and the CUDA graphs (their memory pool)."""
-        for graph, _, _ in self._graphs.values():
+        for graph in self._graphs.values():
             graph.reset()
-        self._graphs, self._pool, self.cache = {}, None, None
-        self._tok = self._pos = self._pad = self._slot = self._temp = self._slots = self._cos = self._sin = None
+        self._graphs, self._pool, self.cache, self._eos = {}, None, None, None
+        for name in self._STEP_BUFFERS:
+            setattr(self, name, None)
 
     def restore(self) -> None:
         """Reallocate the cache of the last shape (after :meth:`release`); graphs are recaptured on use."""
@@ -154,18 +208,30 @@ class FastDecoder:
         self._allocate(rows, -(-slots // 64) * 64)
 
     def _allocate(self, rows: int, slots: int) -> None:
+        """The cache and every buffer a captured step reads or writes (fixed addresses for the graphs)."""
         dtype, dev = self.inner.embed_tokens.weight.dtype, self.device
         self.cache = torch.zeros(len(self.layers), 2, rows, self.kv_heads, slots, self.head_dim, dtype=dtype,
                                  device=dev)
         self._shape = (rows, slots)
-        self._tok = torch.zeros(rows, dtype=torch.long, device=dev)   # the token each row feeds this step
-        self._pos = torch.zeros(rows, dtype=torch.long, device=dev)   # its position
-        self._pad = torch.zeros(rows, dtype=torch.long, device=dev)   # left-padding slots of each row
-        self._slot = torch.zeros(1, dtype=torch.long, device=dev)     # the slot this step writes
-        self._temp = torch.ones(1, dtype=torch.float32, device=dev)   # logits are divided by it
+        long = dict(dtype=torch.long, device=dev)
+        self._tok = torch.zeros(rows, **long)       # the token each row feeds the next forward
+        self._pos = torch.zeros(rows, **long)       # its position
+        self._pad = torch.zeros(rows, **long)       # left-padding slots of each row
+        self._slot = torch.zeros(1, **long)         # the slot the next forward writes
+        self._col = torch.zeros(1, **long)          # the output column the next sample writes
+        self._row_of = torch.zeros(rows, **long)    # output row of each cache row (the spare row for spares)
+        self._finished = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self._temp = torch.ones(1, dtype=torch.float32, device=dev)  # logits are divided by it
+        self._u = torch.zeros(rows, dtype=torch.float32, device=dev)  # this step's uniforms
+        self._scaled = torch.zeros(rows, self.vocab, dtype=torch.float32, device=dev)  # logits / T
+        self._lse = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self._out_tok = torch.zeros(rows + 1, slots, **long)  # + a spare row
+        self._out_lp = torch.zeros(rows + 1, slots, dtype=torch.float32, device=dev)
+        self._out_mask = torch.zeros_like(self._out_lp)
         self._slots = torch.arange(slots, device=dev)
         self._cos = torch.zeros(slots, self.head_dim, dtype=dtype, device=dev)  # RoPE table by position
         self._sin = torch.zeros_like(self._cos)  # sin with the first half negated (see _rope)
+        self._eos = None
 
     # ------------------------------------------------------------------ forward pieces
 
@@ -175,16 +241,30 @@ class FastDecoder:
 
     @staticmethod
     def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """HF's RMSNorm (float32 statistics, cast back, times the weight) with the fused ``F.rms_norm``."""
-        return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+        """RMSNorm with float32 statistics in one fused kernel (``x * rsqrt(mean x^2 + eps) * w``, rounded once)."""
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps=norm.variance_epsilon)
 
-    def _head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final norm and ``lm_head`` of ``x [b, h]`` -> ``logits / T`` (float32 ``[b, V]``) and its logsumexp."""
-        scaled = self.model.lm_head(self._rms(self.inner.norm, x)).float() / self._temp
-        return scaled, torch.logsumexp(scaled, dim=-1)
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[..., (H + 2 Hkv) D]`` -> the q,k part ``[..., H + Hkv, D]`` (RoPE'd together) and v ``[..., Hkv, D]``."""
+        qk = (self.heads + self.kv_heads) * self.head_dim
+        return (qkv[..., :qk].unflatten(-1, (self.heads + self.kv_heads, self.head_dim)),
+                qkv[..., qk:].unflatten(-1, (self.kv_heads, self.head_dim)))
 
-    def _prefill(self, ids: torch.Tensor, pad: torch.Tensor, row0: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompts ``ids [b, P]`` (left-padded by ``pad [b]``) into cache rows ``row0..row0+b``, slots ``0..P-1``."""
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.layers[i].mlp
+        gate, up = self.gate_up[i](x).split(self.gate_up[i].sizes, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+    def _head(self, x: torch.Tensor, rows: int) -> None:
+        """Final norm and ``lm_head`` of ``x [rows, h]`` -> ``logits / T`` (float32) and its logsumexp, into
+        the buffers the next sample reads."""
+        scaled = self._scaled[:rows]
+        scaled.copy_(self.model.lm_head(self._rms(self.inner.norm, x))).div_(self._temp)
+        torch.logsumexp(scaled, dim=-1, out=self._lse[:rows])
+
+    def _prefill(self, ids: torch.Tensor, pad: torch.Tensor, row0: int) -> None:
+        """Prompts ``ids [b, P]`` (left-padded by ``pad [b]``) into cache rows ``row0..row0+b``, slots
+        ``0..P-1``; the last position's logits go to the logits buffer's rows ``row0..row0+b``."""
         b, length = ids.shape
         ar = self._slots[:length]
         pos = (ar[None, :] - pad[:, None]).clamp(min=0)
@@ -192,25 +272,24 @@ class FastDecoder:
         allowed = (allowed | torch.eye(length, dtype=torch.bool, device=ids.device))[:, None]  # [b, 1, P, P]
         x = self.inner.embed_tokens(ids)
         bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
-        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [b, 1, P, D]
+        cos, sin = self._cos[pos][:, :, None], self._sin[pos][:, :, None]  # [b, P, 1, D]
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = self._rms(layer.input_layernorm, x)
-            q = attn.q_proj(h).view(b, length, self.heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            qk, v = self._split(self.qkv[i](self._rms(layer.input_layernorm, x)))
+            qk = self._rope(qk, cos, sin).transpose(1, 2)  # [b, H + Hkv, P, D]
+            q, k, v = qk[:, :self.heads], qk[:, self.heads:], v.transpose(1, 2)
             self.cache[i, 0, row0:row0 + b, :, :length] = k
             self.cache[i, 1, row0:row0 + b, :, :length] = v
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scaling)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, length, self.heads * self.head_dim))
-            x = x + layer.mlp(self._rms(layer.post_attention_layernorm, x))
-        return self._head(x[:, -1])
+            x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, length, self.heads * self.head_dim))
+            x = x + self._mlp(i, self._rms(layer.post_attention_layernorm, x))
+        scaled = self._scaled[row0:row0 + b]
+        scaled.copy_(self.model.lm_head(self._rms(self.inner.norm, x[:, -1]))).div_(self._temp)
+        torch.logsumexp(scaled, dim=-1, out=self._lse[row0:row0 + b])
 
-    def _decode(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step for cache rows ``0..rows-1``; advances the position and slot counters."""
+    def _forward(self, rows: int) -> None:
+        """The decode forward of ``_tok`` for cache rows ``0..rows-1``; advances the position and slot."""
         pos = self._pos[:rows]
         valid = (self._slots[None, :] >= self._pad[:rows, None]) & (self._slots[None, :] <= self._slot)
         x = self.inner.embed_tokens(self._tok[:rows])
@@ -219,68 +298,100 @@ class FastDecoder:
         bias = bias[:, None, None, :]
         cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [rows, 1, D]
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = self._rms(layer.input_layernorm, x)
-            q = self._rope(attn.q_proj(h).view(rows, self.heads, self.head_dim), cos, sin)
-            k = self._rope(attn.k_proj(h).view(rows, self.kv_heads, self.head_dim), cos, sin)
-            v = attn.v_proj(h).view(rows, self.kv_heads, self.head_dim)
+            qk, v = self._split(self.qkv[i](self._rms(layer.input_layernorm, x)))
+            qk = self._rope(qk, cos, sin)
             k_cache, v_cache = self.cache[i, 0, :rows], self.cache[i, 1, :rows]
-            k_cache.index_copy_(2, self._slot, k[:, :, None])
+            k_cache.index_copy_(2, self._slot, qk[:, self.heads:, None])
             v_cache.index_copy_(2, self._slot, v[:, :, None])
-            q = q.view(rows, self.kv_heads, self.group, self.head_dim)  # query heads of one KV head together
+            q = qk[:, :self.heads].unflatten(1, (self.kv_heads, self.group))  # query heads of one KV head together
             o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=self.scaling)
-            x = x + attn.o_proj(o.reshape(rows, self.heads * self.head_dim))
-            x = x + layer.mlp(self._rms(layer.post_attention_layernorm, x))
-        out = self._head(x)
+            x = x + layer.self_attn.o_proj(o.reshape(rows, self.heads * self.head_dim))
+            x = x + self._mlp(i, self._rms(layer.post_attention_layernorm, x))
+        self._head(x, rows)
         self._pos[:rows] += 1
         self._slot += 1
-        return out
 
-    def _step(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # ------------------------------------------------------------------ sampling
+
+    def _pick(self, scaled: torch.Tensor, lse: torch.Tensor, u: torch.Tensor | None, *, top_k: int,
+              top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens ``[b]`` from ``scaled = logits / T [b, V]``: argmax when ``u`` is None, else the first token
+        whose cumulative (top-k / top-p filtered) probability exceeds ``u [b]`` of the total; and their
+        log-probs ``scaled[tok] - lse`` (before filtering). No host sync, no RNG: graph-capturable."""
+        if u is None:
+            tokens = torch.argmax(scaled, dim=-1)
+        else:
+            filtered = top_k > 0 or top_p < 1.0
+            z = filter_logits(scaled, top_k=top_k, top_p=top_p) if filtered else scaled
+            cdf = torch.exp(z - (torch.logsumexp(z, -1) if filtered else lse)[:, None]).cumsum_(-1)
+            total = cdf[:, -1:].contiguous()
+            tokens = torch.searchsorted(cdf, u[:, None] * total, right=True)
+            # u * total can round up to total: the last token with mass is the first to reach the total
+            tokens = torch.minimum(tokens, torch.searchsorted(cdf, total)).squeeze(-1)
+        return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse
+
+    def _sample(self, scaled: torch.Tensor, lse: torch.Tensor, *, greedy: bool, top_k: int, top_p: float,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_pick` with fresh uniforms from ``generator`` (for callers outside the decode loop)."""
+        u = None if greedy else torch.rand(scaled.shape[0], generator=generator, device=scaled.device)
+        return self._pick(scaled, lse, u, top_k=top_k, top_p=top_p)
+
+    def _record(self, rows: int, *, greedy: bool, top_k: int, top_p: float) -> None:
+        """Sample rows ``0..rows-1`` from the logits buffer and write token, log-prob and live mask at the
+        output column; finished rows write pad / 0 / 0. The sampled tokens feed the next forward."""
+        tok, lp = self._pick(self._scaled[:rows], self._lse[:rows], None if greedy else self._u[:rows],
+                             top_k=top_k, top_p=top_p)
+        live = ~self._finished[:rows]
+        where = (self._row_of[:rows], self._col.expand(rows))
+        self._out_tok.index_put_(where, torch.where(live, tok, self.pad_token_id))
+        self._out_lp.index_put_(where, torch.where(live, lp, 0.0))
+        self._out_mask.index_put_(where, live.float())
+        self._finished[:rows].logical_or_(torch.isin(tok, self._eos))
+        self._tok[:rows] = tok
+        self._col += 1
+
+    def _step_body(self, rows: int, mode: tuple[bool, int, float]) -> None:
+        """One step: sample from the last logits, then the forward of the sampled tokens."""
+        greedy, top_k, top_p = mode
+        self._record(rows, greedy=greedy, top_k=top_k, top_p=top_p)
+        self._forward(rows)
+
+    def _step(self, rows: int, mode: tuple[bool, int, float]) -> None:
         if not self.use_graphs:
-            return self._decode(rows)
-        entry = self._graphs.get(rows)
-        if entry is None:
-            entry = self._capture(rows)
-        entry[0].replay()
-        return entry[1], entry[2]
+            self._step_body(rows, mode)
+            return
+        graph = self._graphs.get((rows, *mode))
+        if graph is None:
+            graph = self._capture(rows, mode)
+        graph.replay()
 
-    def _capture(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
-        """Capture the decode step of ``rows`` rows. The warm-up really runs the step (writing the same
-        K/V the replay will write), so the counters it advanced are put back."""
-        pos, slot = self._pos.clone(), self._slot.clone()
+    def _capture(self, rows: int, mode: tuple[bool, int, float]) -> torch.cuda.CUDAGraph:
+        """Capture the step of ``rows`` rows. The warm-up really runs the step, so the state it changed is
+        put back first (the K/V it wrote are those the replay writes again)."""
+        state = [self._tok[:rows], self._pos[:rows], self._slot, self._col, self._finished[:rows],
+                 self._scaled[:rows], self._lse[:rows]]
+        saved = [t.clone() for t in state]
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._decode(rows)  # lazy library workspaces are set up outside the capture
+                self._step_body(rows, mode)  # lazy library workspaces are set up outside the capture
             torch.cuda.current_stream().wait_stream(side)
-            self._pos.copy_(pos)
-            self._slot.copy_(slot)
+            for t, old in zip(state, saved):
+                t.copy_(old)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: CUDA calls of other threads (NCCL watchdog, pinned-memory copies) cannot spoil it
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                scaled, lse = self._decode(rows)
-        self._graphs[rows] = (graph, scaled, lse)
-        return self._graphs[rows]
+                self._step_body(rows, mode)
+        self._graphs[(rows, *mode)] = graph
+        return graph
 
     # ------------------------------------------------------------------ generation
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
-
-    def _sample(self, scaled: torch.Tensor, lse: torch.Tensor, *, greedy: bool, top_k: int, top_p: float,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        if greedy:
-            tokens = torch.argmax(scaled, dim=-1)
-        else:
-            z = filter_logits(scaled, top_k=top_k, top_p=top_p) if (top_k > 0 or top_p < 1.0) else scaled
-            race = torch.empty_like(z).exponential_(generator=generator)
-            race.clamp_(min=torch.finfo(race.dtype).tiny).log_()  # an exact 0 would give -log 0 = inf
-            tokens = torch.argmax(z - race, dim=-1)
-        return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse
 
     def generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
@@ -300,6 +411,7 @@ class FastDecoder:
             raise ValueError(f"FastDecoder: {b} rows exceed rollout.batch_size ({self.buckets[-1]})")
         cur = self.bucket(b)
         self._ensure_cache(cur, longest + max_new_tokens)
+        self._set_eos(eos)
         cos, sin = self.inner.rotary_emb(self._cos[None], self._slots[None])  # same table as HF's forward
         half = self.head_dim // 2
         self._cos.copy_(cos[0])
@@ -315,57 +427,64 @@ class FastDecoder:
         self._pos[:cur].zero_()  # spare rows: positions stay small, inside the RoPE table
         self._pos[:b] = longest - pad
         self._slot.fill_(longest)
+        self._col.zero_()
         self._temp.fill_(temperature if temperature > 0 else 1.0)
-
+        self._scaled[b:cur].zero_()  # spare rows sample from flat logits; their outputs go to the spare row
+        self._lse[b:cur].zero_()
+        self._row_of[:cur] = torch.arange(cur, device=dev).clamp_(max=b)
+        self._finished[:cur] = torch.arange(cur, device=dev) >= b
+        self._out_tok[:b + 1, :max_new_tokens].fill_(self.pad_token_id)
+        self._out_lp[:b + 1, :max_new_tokens].zero_()
+        self._out_mask[:b + 1, :max_new_tokens].zero_()
         group = max(1, self.prefill_tokens // longest)
-        parts = [self._prefill(ids[s:s + group], pad[s:s + group], s) for s in range(0, b, group)]
-        scaled, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        if cur > b:  # spare rows sample from flat logits; their outputs go to the spare row
-            scaled = torch.cat([scaled, scaled.new_zeros(cur - b, scaled.shape[1])])
-            lse = torch.cat([lse, lse.new_zeros(cur - b)])
+        for s in range(0, b, group):
+            self._prefill(ids[s:s + group], pad[s:s + group], s)
 
-        out_tokens = torch.full((b + 1, max_new_tokens), self.pad_token_id, dtype=torch.long, device=dev)
-        out_logprobs = torch.zeros(b + 1, max_new_tokens, dtype=torch.float32, device=dev)
-        out_mask = torch.zeros(b + 1, max_new_tokens, dtype=torch.float32, device=dev)
-        row_of = torch.arange(cur, device=dev).clamp_(max=b)  # output row of each cache row; b = the spare
-        finished = torch.arange(cur, device=dev) >= b
+        greedy = temperature == 0
+        mode = (greedy, top_k, top_p) if not greedy else (True, 0, 1.0)
         for step in range(max_new_tokens):
-            tok, lp = self._sample(scaled, lse, greedy=temperature == 0, top_k=top_k, top_p=top_p,
-                                   generator=generator)
-            live = ~finished
-            out_tokens[row_of, step] = torch.where(live, tok, self.pad_token_id)
-            out_logprobs[row_of, step] = torch.where(live, lp, 0.0)
-            out_mask[row_of, step] = live.float()
-            finished = finished | torch.isin(tok, eos)
-            if step == max_new_tokens - 1:
+            if not greedy:
+                self._u[:cur].uniform_(generator=generator)
+            if step == max_new_tokens - 1:  # the last token: sampled, never fed back
+                self._record(cur, greedy=greedy, top_k=top_k, top_p=top_p)
                 break
-            self._tok[:cur] = tok
+            self._step(cur, mode)
             if (step + 1) % self.check_every == 0:
-                n_live = int((~finished).sum())
+                n_live = int((~self._finished[:cur]).sum())
                 if n_live == 0:
                     break
                 if self.bucket(n_live) < cur:
-                    cur, row_of, finished = self._compact(finished, row_of, spare=b)
-            scaled, lse = self._step(cur)
-        width = max(int(out_mask[:b].sum(-1).max()), 1)
-        last = out_tokens[:b].gather(1, out_mask[:b].sum(-1, keepdim=True).long() - 1).squeeze(1)
-        truncated = ~torch.isin(last, eos)  # a row ends at its first EOS, so no EOS last = no EOS at all
-        return out_tokens[:b, :width], out_mask[:b, :width], out_logprobs[:b, :width], truncated
+                    cur = self._compact(cur, spare=b)
+        mask = self._out_mask[:b]
+        width = max(int(mask.sum(-1).max()), 1)
+        tokens = self._out_tok[:b, :width].clone()
+        last = tokens.gather(1, mask.sum(-1, keepdim=True).long().clamp_(min=1) - 1).squeeze(1)
+        truncated = ~torch.isin(last, self._eos)  # a row ends at its first EOS, so no EOS last = no EOS at all
+        return tokens, mask[:, :width].clone(), self._out_lp[:b, :width].clone(), truncated
 
-    def _compact(self, finished: torch.Tensor, row_of: torch.Tensor, *, spare: int
-                 ) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """Move the live cache rows to the front (order kept) and shrink to their bucket."""
-        keep = torch.nonzero(~finished).squeeze(-1)
+    def _set_eos(self, eos: torch.Tensor) -> None:
+        """The EOS ids the captured steps compare against (a buffer of its own; a new count recaptures)."""
+        if self._eos is not None and self._eos.shape == eos.shape:
+            self._eos.copy_(eos)
+            return
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs = {}
+        self._eos = eos.to(self.device, copy=True)
+
+    def _compact(self, cur: int, *, spare: int) -> int:
+        """Move the live cache rows (and their logits and counters) to the front, order kept; shrink to their
+        bucket. Rows past the live ones become spares: finished, writing to the spare output row."""
+        keep = torch.nonzero(~self._finished[:cur]).squeeze(-1)
         n, new = keep.numel(), self.bucket(keep.numel())
         for i in range(len(self.layers)):  # one layer at a time: the gather copy stays small
             self.cache[i, :, :n] = self.cache[i][:, keep]
-        for buf in (self._tok, self._pos, self._pad):
+        for buf in (self._tok, self._pos, self._pad, self._row_of, self._scaled, self._lse):
             buf[:n] = buf[keep]
-        new_row_of = torch.full((new,), spare, dtype=row_of.dtype, device=row_of.device)
-        new_row_of[:n] = row_of[keep]
-        new_finished = torch.arange(new, device=finished.device) >= n
+        self._row_of[n:new] = spare
+        self._finished[:new] = torch.arange(new, device=self.device) >= n
         self.compactions += 1
-        return new, new_row_of, new_finished
+        return new
 
 
-__all__ = ["FastDecoder", "batch_buckets", "unsupported_reason"]
+__all__ = ["FastDecoder", "Fused", "batch_buckets", "unsupported_reason"]

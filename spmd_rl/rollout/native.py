@@ -40,10 +40,24 @@ from transformers import DynamicCache
 
 from ..models import load_causal_lm
 from .base import GenerationOutput, check_sampling_args
-from .fast import FastDecoder, unsupported_reason
+from .fast import FastDecoder, Fused, unsupported_reason
 from .sampling import filter_logits, sample_next
 
 log = logging.getLogger("spmd_rl")
+
+
+class _Own:
+    """A parameter or buffer that owns its storage, as :class:`~spmd_rl.rollout.fast.Fused` presents its
+    tensors to ``sleep(2)`` / ``wake_up``."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tensor.data]
+
+    def replace(self, tensors: list[torch.Tensor]) -> None:
+        self.tensor.data = tensors[0]
 
 
 class NativeRollout:
@@ -81,8 +95,7 @@ class NativeRollout:
         # HF name -> the tensor to copy into; tied weights appear under every name they have.
         self._targets: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         self._targets.update(self.model.named_buffers(remove_duplicate=False))
-        self._unique: list[torch.Tensor] = list({id(t): t for t in self._targets.values()}.values())
-        self._host_copies: list[torch.Tensor] | None = None  # kept across sleeps (pinned on CUDA)
+        self._host_copies: list[list[torch.Tensor]] | None = None  # per storage unit, kept across sleeps
         self._sleep_level = 0
         # The fast path (spmd_rl/rollout/fast.py) reads the same parameters, so hot-swap reaches it too.
         self._fast: FastDecoder | None = None
@@ -94,6 +107,12 @@ class NativeRollout:
                                          pad_token_id=self.pad_token_id)
             else:
                 log.warning("NativeRollout: fast decode is off (%s); using the Hugging Face decode loop", reason)
+        # What sleep(2) moves: the fast path's fused tensors (its parameters are views of them), then every
+        # other parameter / buffer once (tied weights are one tensor).
+        fused = self._fast.fused if self._fast is not None else []
+        in_fused = {id(p) for unit in fused for p in unit.parameters()}
+        unique = {id(t): t for t in self._targets.values() if id(t) not in in_fused}
+        self._storage: list[Fused | _Own] = [*fused, *(_Own(t) for t in unique.values())]
 
     # ------------------------------------------------------------------ generation
 
@@ -242,8 +261,11 @@ class NativeRollout:
                 target.copy_(tensor)
 
     def sleep(self, level: int) -> None:
-        """1: free the KV cache, CUDA graphs and cached device memory; 2: also move the weights to
-        (pinned) host memory."""
+        """1: free the KV cache and the CUDA graphs; 2: also move the weights to (pinned) host memory.
+
+        The freed device memory goes back to torch's caching allocator, where the colocated actor's
+        passes reuse it; the cache is not emptied to the driver (that made every step's update and
+        rollout allocate afresh)."""
         if level not in (1, 2):
             raise ValueError(f"rollout.sleep_level must be 1 or 2, got {level}")
         if self._fast is not None:
@@ -251,24 +273,22 @@ class NativeRollout:
         if level == 2 and self._sleep_level < 2:
             if self._host_copies is None:
                 pin = self.device.type == "cuda"
-                self._host_copies = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                                     for t in self._unique]
-            for t, host in zip(self._unique, self._host_copies):
-                host.copy_(t.data, non_blocking=True)
+                self._host_copies = [[torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                                      for t in unit.tensors()] for unit in self._storage]
+            for unit, hosts in zip(self._storage, self._host_copies):
+                for t, host in zip(unit.tensors(), hosts):
+                    host.copy_(t, non_blocking=True)
             self._synchronize()
-            for t, host in zip(self._unique, self._host_copies):
-                t.data = host
+            for unit, hosts in zip(self._storage, self._host_copies):
+                unit.replace(hosts)
         self._sleep_level = max(self._sleep_level, level)
-        self._free_cached_memory()
 
     def wake_up(self) -> None:
         """Bring the weights back to the device (after ``sleep(2)``) and reallocate the fast path's KV
         cache (its CUDA graphs are recaptured on first use); a no-op when awake."""
         if self._sleep_level == 2:
-            for t in self._unique:
-                on_device = torch.empty(t.shape, dtype=t.dtype, device=self.device)
-                on_device.copy_(t.data, non_blocking=True)
-                t.data = on_device
+            for unit in self._storage:
+                unit.replace([t.to(self.device, non_blocking=True) for t in unit.tensors()])
             self._synchronize()
         if self._sleep_level and self._fast is not None:
             self._fast.restore()
@@ -277,7 +297,7 @@ class NativeRollout:
     def close(self) -> None:
         if self._fast is not None:
             self._fast.release()
-        self._targets, self._unique, self._host_copies, self._fast = {}, [], None, None
+        self._targets, self._storage, self._host_copies, self._fast = {}, [], None, None
         self.model = None  # type: ignore[assignment]
         self._free_cached_memory()
 
