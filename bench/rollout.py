@@ -16,8 +16,9 @@ its time is shown as "first call"). "after sleep" is a call right after ``sleep(
 The bandwidth ceiling is rows / (bytes a decode step must read / ``--bandwidth``): the weights a
 step uses (every linear layer, the norms and the ``lm_head``) plus the K/V of the mean context
 (prompt + half the new tokens), in the model dtype. "graph ms" is one decode step alone (its CUDA
-graph replayed 32 times: the forward without sampling or host work), "TB/s" the bytes that step
-reads (weights + K/V of every cache slot, which is what it attends over) per second of it.
+graph, which samples the previous logits and runs the forward, replayed 32 times: no host work),
+"TB/s" the bytes that step reads (weights + K/V of every cache slot, which is what it attends over)
+per second of it.
 ``--out`` writes the rows as JSON.
 """
 
@@ -119,10 +120,12 @@ def main() -> None:
         assert out["fast"].response_lengths.eq(args.new_tokens).all(), "EOS was not ignored"
         replay_ms = replay_tb_s = None
         fd = engine._fast
-        if fd.use_graphs and rows in fd._graphs:  # the decode step alone: replay its graph, no sampling
-            graph, slots = fd._graphs[rows][0], fd.cache.shape[4]
+        key = (rows, False, 0, 1.0)  # the step of this batch, sampling at top-k 0 / top-p 1
+        if fd.use_graphs and key in fd._graphs:  # the decode step alone: replay its graph, no host work
+            graph, slots = fd._graphs[key], fd.cache.shape[4]
             fd._slot.fill_(args.prompt_len)  # replays write slots prompt_len.. (< slots): cache stays in bounds
             fd._pos[:rows].fill_(args.prompt_len)
+            fd._col.zero_()  # and output columns 0..
             reps = min(32, slots - args.prompt_len - 1)
             replay_ms = 1e3 * timed(lambda: [graph.replay() for _ in range(reps)], device) / reps
             replay_tb_s = bytes_per_step(config, rows=rows, context=slots, dtype_bytes=torch.finfo(dtype).bits // 8

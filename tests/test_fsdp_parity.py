@@ -10,9 +10,10 @@ the loss summed over micro-batches and ranks, the returned gradient norm, the cl
 and the updated weights (full tensors from ``named_full_tensors``) within 1e-5, and the weight
 change within 1e-3 (see CHANGE_TOL for why it is looser).
 
-One 4-process world checks FSDP 1D over all 4 ranks, HSDP 2x2 (``FsdpConfig(fsdp_size=2)``), and
+One 4-process world checks FSDP 1D over all 4 ranks, HSDP 2x2 (``FsdpConfig(fsdp_size=2)``),
 FSDP 1D on 2 processes — two independent 2-rank pools (ranks 0-1 and 2-3, meshes built with
-``start``), each doing the whole update; one 8-process world checks FSDP 1D over 8 ranks and HSDP
+``start``), each doing the whole update — and four one-rank engines (the path that reduces the
+gradients once, after the last micro-batch); one 8-process world checks FSDP 1D over 8 ranks and HSDP
 2x4 (two replicas of a 4-way shard). A
 1-process world checks that the engine's ``compute_logprobs`` equals the native rollout's sampling
 log-probs for the same tokens.
@@ -55,7 +56,7 @@ ALGO = dict(clip_low=0.2, clip_high=0.28, use_kl_loss=True, kl_coef=0.1, kl_kind
 # name -> (pool size, fsdp_size); a pool smaller than the world is repeated over it
 # Worlds of 4 and 8 processes, each checking its layouts in one spawn.
 WORLDS = {
-    4: {"fsdp2": (2, -1), "fsdp4": (4, -1), "hsdp2x2": (4, 2)},
+    4: {"fsdp1": (1, -1), "fsdp2": (2, -1), "fsdp4": (4, -1), "hsdp2x2": (4, 2)},
     8: {"fsdp8": (8, -1), "hsdp2x4": (8, 4)},
 }
 LAYOUTS = {name: world for world, layouts in WORLDS.items() for name in layouts}

@@ -270,7 +270,8 @@ class FSDPEngine:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         bad_losses = torch.zeros((), dtype=torch.long, device=self.device)  # summed without a sync per micro-batch
-        for micro in micro_batches:
+        for i, micro in enumerate(micro_batches):
+            self._gradient_sync(last=i == len(micro_batches) - 1)
             logprobs, entropy = self._forward(micro, temperature, "grad" if need_entropy_grad else "detached")
             loss, _ = loss_fn(logprobs, entropy, micro)
             bad_losses += ~torch.isfinite(loss.detach())
@@ -299,6 +300,15 @@ class FSDPEngine:
         self.scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0}
 
+    def _gradient_sync(self, *, last: bool) -> None:
+        """On a one-rank mesh, reduce gradients only after the last micro-batch: FSDP2 then sums the
+        micro-batches' gradients unsharded in its reduce dtype (fp32 on GPU) and runs its reduce path
+        (cast and copy into a flat buffer, copy out, accumulate into the shards) once per step instead
+        of once per micro-batch. With more ranks, every micro-batch's reduce-scatter
+        overlaps the next one's compute and keeps the gradients sharded, so it stays."""
+        if self.mesh.size() == 1:
+            self.model.set_requires_gradient_sync(last)
+
     def _nonfinite_cause(self, bad_losses: int, micro_batches: int) -> str:
         """Where the NaN/inf came from, as far as this rank can tell: its losses, then the first
         parameters whose local gradient shard is not finite."""
@@ -319,6 +329,7 @@ class FSDPEngine:
         self.optimizer.zero_grad(set_to_none=True)
         found = []
         for i, micro in enumerate(micro_batches):
+            self._gradient_sync(last=i == len(micro_batches) - 1)
             with NonfiniteWatch(self.model) as watch:
                 logprobs, entropy = self._forward(micro, temperature, "grad" if need_entropy_grad else "detached")
                 loss, _ = loss_fn(logprobs, entropy, micro)
