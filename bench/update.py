@@ -88,6 +88,10 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
         engine = FSDPEngine(model_folder=folder, mesh=FsdpLayout(world).build(dev.type), device=dev, fsdp=fsdp,
                             actor=ActorConfig(lr=1e-6, grad_clip=1.0), total_updates=10 ** 6, trainable=True,
                             pad_token_id=0, use_packing=True, max_tokens_per_gpu=args.max_tokens_per_gpu)
+        if args.eager_head:
+            engine.fused_head = False
+        if args.reduce_every_micro_batch:
+            engine.reduce_every_micro_batch = True
         fm = FlopsModel.from_config(engine.config)
         batch = make_batch(args, int(engine.config.vocab_size), seed=args.seed + env.rank)
         prompt_lens = [len(p) for p in batch.prompts]
@@ -296,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layouts", nargs="+", default=None, help="only these layouts (e.g. packed+flash)")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP2 reshard_after_forward (off: parameters stay gathered, and cast, until the backward)")
+    p.add_argument("--eager-head", action="store_true", help="the log-prob head's eager chunk code, not the compiled one")
+    p.add_argument("--reduce-every-micro-batch", action="store_true",
+                   help="one GPU: reduce gradients after every micro-batch (the engine does it after the last only)")
     p.add_argument("--profile", action="store_true", help="GPU: one more step per layout under torch.profiler, "
                    "kernel time by group, the top torch ops and kernels")
     p.add_argument("--profile-top", type=int, default=15, help="how many ops and kernels --profile lists")

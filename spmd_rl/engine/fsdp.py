@@ -132,6 +132,7 @@ class FSDPEngine:
         self._head = LogprobHead.replace(model)  # log-probs at the requested positions, chunked over the vocab
         self.logits_chunk_tokens = logits_chunk_tokens or default_chunk_tokens(int(model.config.vocab_size))
         self.fused_head = fused_available(device)  # compiled vocabulary kernels on CUDA (engine/head.py)
+        self.reduce_every_micro_batch = mesh.size() > 1  # see _gradient_sync
         if gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
@@ -306,7 +307,7 @@ class FSDPEngine:
         (cast and copy into a flat buffer, copy out, accumulate into the shards) once per step instead
         of once per micro-batch. With more ranks, every micro-batch's reduce-scatter
         overlaps the next one's compute and keeps the gradients sharded, so it stays."""
-        if self.mesh.size() == 1:
+        if not self.reduce_every_micro_batch:
             self.model.set_requires_gradient_sync(last)
 
     def _nonfinite_cause(self, bad_losses: int, micro_batches: int) -> str:
