@@ -186,15 +186,11 @@ class FastDecoder:
                     f"({self.sliding_window}), which this path does not implement")
         return None
 
-    def release(self, *, pool: bool = False) -> None:
-        """Free the KV cache, the step's buffers and the CUDA graphs. The graphs' private memory pool (the
-        step's intermediates, mostly ``[rows, V]`` logits-sized) is kept for the next captures unless
-        ``pool``: a new pool per wake-up would stay reserved until ``torch.cuda.empty_cache``."""
+    def release(self) -> None:
+        """Free the KV cache, the step's buffers and the CUDA graphs (their memory pool)."""
         for graph in self._graphs.values():
             graph.reset()
-        self._graphs, self.cache, self._eos = {}, None, None
-        if pool:
-            self._pool = None
+        self._graphs, self._pool, self.cache, self._eos = {}, None, None, None
         for name in self._STEP_BUFFERS:
             setattr(self, name, None)
 

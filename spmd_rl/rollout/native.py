@@ -265,8 +265,9 @@ class NativeRollout:
 
         The freed memory goes back to torch's caching allocator, where the colocated actor's passes
         reuse it; the cache is not emptied to the driver, so the next rollout does not allocate afresh
-        (on the H200 that was ~0.3 s of a SmolLM2 step, docs/PERF.md). The graphs' own memory pool
-        stays with the fast path and the next captures reuse it (see ``FastDecoder.release``)."""
+        (on the H200 that was ~0.3 s of a SmolLM2 step, docs/PERF.md). The released graphs' private
+        pool stays reserved until torch empties its cache (it does so by itself before failing an
+        allocation)."""
         if level not in (1, 2):
             raise ValueError(f"rollout.sleep_level must be 1 or 2, got {level}")
         if self._fast is not None:
@@ -297,7 +298,7 @@ class NativeRollout:
 
     def close(self) -> None:
         if self._fast is not None:
-            self._fast.release(pool=True)
+            self._fast.release()
         self._targets, self._storage, self._host_copies, self._fast = {}, [], None, None
         self.model = None  # type: ignore[assignment]
         self._free_cached_memory()
