@@ -106,3 +106,30 @@ def test_fused_kernels_equal_the_eager_path(dtype: torch.dtype, entropy: str, de
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-3)
     for eager, fused in zip(out[False], out[True]):
         torch.testing.assert_close(fused, eager, **tol)
+
+
+def test_fused_head_falls_back_to_eager_when_compilation_fails(monkeypatch, caplog) -> None:
+    """A toolchain that cannot compile (no C++ compiler, a triton bug) costs speed, not the run: the
+    failure is logged once and the eager chunk code gives the same numbers."""
+    from spmd_rl.engine import head
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("inductor: no working compiler")
+        return run
+
+    monkeypatch.setattr(head, "_COMPILED", {})
+    monkeypatch.setattr(head, "_FAILED", [])
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(20, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 20, (6,), generator=g)
+    out = {}
+    with caplog.at_level("WARNING", logger="spmd_rl"):
+        for fused in (True, False):
+            lp, ent = chunked_logprobs(hidden, weight, labels, entropy="grad", chunk_tokens=4, fused=fused)
+            out[fused] = (lp, ent, *torch.autograd.grad((lp + ent).sum(), (hidden, weight)))
+    assert caplog.text.count("the fused log-prob head failed") == 1 and "no working compiler" in caplog.text
+    for fused, eager in zip(out[True], out[False]):
+        torch.testing.assert_close(fused, eager, rtol=0, atol=0)

@@ -441,7 +441,7 @@ class FastDecoder:
             self._prefill(ids[s:s + group], pad[s:s + group], s)
 
         greedy = temperature == 0
-        mode = (greedy, top_k, top_p) if not greedy else (True, 0, 1.0)
+        mode = (True, 0, 1.0) if greedy else (False, top_k, top_p)  # one graph per mode and bucket
         for step in range(max_new_tokens):
             if not greedy:
                 self._u[:cur].uniform_(generator=generator)
