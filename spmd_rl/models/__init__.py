@@ -86,12 +86,24 @@ def load_reward_model(folder: str, *, dtype: torch.dtype, trust_remote_code: boo
     return model
 
 
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The smallest sliding attention window of a decoder-only HF model, or None (Qwen2 keeps it per
+    layer on ``self_attn``; Mistral's attention reads ``config.sliding_window`` in its forward)."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    windows = [getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in layers]
+    if getattr(model.config, "model_type", None) == "mistral":
+        windows.append(getattr(model.config, "sliding_window", None))
+    windows = [w for w in windows if w]
+    return min(windows) if windows else None
+
+
 def count_params(model: torch.nn.Module, *, trainable_only: bool = False) -> int:
     """Number of parameters; tied weights (shared tensors) count once."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 __all__ = [
+    "sliding_window",
     "BUILTIN_NAMES", "FlopsModel", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "build_char_tokenizer", "count_params",
     "load_causal_lm", "load_reward_model", "load_tokenizer", "model_flops_per_token", "resolve_model_path",
 ]

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..models import sliding_window
 from .sampling import filter_logits
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -158,11 +159,7 @@ class FastDecoder:
         self.head_dim = int(self.layers[0].self_attn.head_dim)
         self.scaling = float(self.layers[0].self_attn.scaling)
         self.vocab = int(model.lm_head.out_features)
-        windows = [getattr(layer.self_attn, "sliding_window", None) for layer in self.layers]
-        if config.model_type == "mistral":
-            windows.append(getattr(config, "sliding_window", None))
-        windows = [w for w in windows if w]
-        self.sliding_window: int | None = min(windows) if windows else None
+        self.sliding_window = sliding_window(model)
         self.qkv = [Fused((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)) for l in self.layers]
         self.gate_up = [Fused((l.mlp.gate_proj, l.mlp.up_proj)) for l in self.layers]
         self.fused: list[Fused] = self.qkv + self.gate_up

@@ -1,0 +1,67 @@
+"""The FSDP engine's self-attention forward for Llama / Qwen2 / Mistral: HF's math, the kernels' layout.
+
+    install(model)   # every decoder layer's self_attn.forward -> natural_layout_forward (when supported)
+
+Hugging Face's attention transposes q, k, v to ``[b, heads, s, d]`` right after the projections and
+applies RoPE there; the engine's attention (:func:`~spmd_rl.engine.ulysses.varlen_sdpa`) then wants
+``[tokens, heads, d]`` for torch's flash varlen kernel, so every layer paid for a transposed RoPE
+(strided, ~0.4 TB/s on the H200 even when compiled) and a copy back, forward and backward.
+:func:`natural_layout_forward` applies the same RoPE (``x * cos + rotate_half(x) * sin``, the same
+elementwise operations, so the same numbers) on the projections' own ``[b, s, heads, d]`` layout and
+hands the attention function transposed *views*; its flash path then flattens them without a copy.
+The module, its parameters and their names are untouched (checkpoints, hot-swap, export, FSDP).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import ulysses
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def install(model: torch.nn.Module) -> bool:
+    """Give every decoder layer's attention :func:`natural_layout_forward`; False (nothing changed) when
+    the model is not a Llama / Qwen2 / Mistral shape with plain q/k/v/o projections."""
+    if getattr(model.config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return False
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    attns = [getattr(layer, "self_attn", None) for layer in layers]
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+    if not attns or not all(all(hasattr(a, n) for n in needed) and not hasattr(a, "q_norm") for a in attns):
+        return False
+    for attn in attns:
+        attn.forward = types.MethodType(natural_layout_forward, attn)
+    return True
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def natural_layout_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
+                           position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                           attention_mask: torch.Tensor | None, past_key_values=None,
+                           **kwargs) -> tuple[torch.Tensor, None]:
+    """HF's Llama / Qwen2 / Mistral attention forward with RoPE on ``[b, s, heads, d]`` (module docstring)."""
+    b, s = hidden_states.shape[:2]
+    q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim)
+    k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim)
+    v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim)
+    cos, sin = (t.unsqueeze(2) for t in position_embeddings)  # [b, s, 1, d]
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views: [b, heads, s, d]
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    out, _ = ulysses.varlen_sdpa(self, q, k, v, attention_mask,
+                                 dropout=getattr(self, "attention_dropout", 0.0) if self.training else 0.0,
+                                 scaling=self.scaling, **kwargs)
+    return self.o_proj(out.reshape(b, s, -1)), None
+
+
+__all__ = ["install", "natural_layout_forward"]
