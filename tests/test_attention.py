@@ -64,6 +64,20 @@ def test_natural_layout_forward_equals_hf(name: str, flash_layout: bool, monkeyp
         torch.testing.assert_close(grads[n], grads_hf[n], rtol=1e-5, atol=1e-6, msg=f"gradient of {n}")
 
 
+def test_sliding_window_from_the_config() -> None:
+    from spmd_rl.models import sliding_window
+
+    assert sliding_window(LlamaConfig(**COMMON)) is None
+    assert sliding_window(MistralConfig(sliding_window=12, **COMMON)) == 12
+    assert sliding_window(MistralConfig(sliding_window=None, **COMMON)) is None
+    assert sliding_window(Qwen2Config(sliding_window=16, use_sliding_window=False, **COMMON)) is None
+    assert sliding_window(Qwen2Config(sliding_window=16, use_sliding_window=True, max_window_layers=1,
+                                      **COMMON)) == 16  # layer 1 of 2 slides
+    from spmd_rl.engine.megatron.model import ModelSpec  # the megatron engine refuses the same sequences
+
+    assert ModelSpec.from_hf(MistralConfig(sliding_window=12, **COMMON)).sliding_window == 12
+
+
 def test_install_leaves_other_models_alone() -> None:
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=1, n_head=2))
     forwards = [type(m).forward for m in gpt2.modules()]
@@ -104,5 +118,5 @@ def test_engine_refuses_sequences_longer_than_the_sliding_window(tmp_path) -> No
     (got,) = run_distributed(_window_body, 1, str(tmp_path))
     assert got["window"] == 8 and got["installed"] and got["shape"] == (1, 4)
     assert got["error"] is not None
-    assert "a sequence of 9 tokens exceeds the model's sliding window (8)" in got["error"]
+    assert "a sequence of 9 tokens exceeds the model's sliding window (8); the FSDP engine's" in got["error"]
     assert "data.max_prompt_length + rollout.max_new_tokens" in got["error"]

@@ -44,7 +44,7 @@ from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.engine import attention, packing, ulysses
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available
 from spmd_rl.engine.nanwatch import NonfiniteWatch
-from spmd_rl.models import load_causal_lm, sliding_window
+from spmd_rl.models import check_sliding_window, load_causal_lm, sliding_window
 
 log = logging.getLogger("spmd_rl")
 
@@ -131,7 +131,7 @@ class FSDPEngine:
         model.config.use_cache = False
         # RoPE on the projections' own layout, no transposed copies (engine/attention.py); others keep HF's
         self.natural_attention = attention.install(model)
-        self.sliding_window = sliding_window(model)
+        self.sliding_window = sliding_window(model.config)
         self._head = LogprobHead.replace(model)  # log-probs at the requested positions, chunked over the vocab
         self.logits_chunk_tokens = logits_chunk_tokens or default_chunk_tokens(int(model.config.vocab_size))
         self.fused_head = fused_available(device)  # compiled vocabulary kernels on CUDA (engine/head.py)
@@ -188,11 +188,7 @@ class FSDPEngine:
         runs only on positions that predict a valid response token, chunked over them so the
         full-vocabulary logits never exist for the whole micro-batch (:class:`LogprobHead`).
         """
-        if self.sliding_window is not None and max(packing.row_tokens(micro)) > self.sliding_window:
-            raise ValueError(
-                f"a sequence of {max(packing.row_tokens(micro))} tokens exceeds the model's sliding window "
-                f"({self.sliding_window}); the FSDP engine's attention is full causal attention, so it would not "
-                "match the model: lower data.max_prompt_length + rollout.max_new_tokens to the window or below")
+        check_sliding_window(max(packing.row_tokens(micro), default=0), self.sliding_window, engine="FSDP")
         flat = packing.flatten(micro, pad_token_id=self.pad_token_id, packed=self.use_packing, multiple=self.sp_size)
         width = flat.width // self.sp_size
         lo = self.sp_rank * width

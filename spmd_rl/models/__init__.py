@@ -86,15 +86,25 @@ def load_reward_model(folder: str, *, dtype: torch.dtype, trust_remote_code: boo
     return model
 
 
-def sliding_window(model: torch.nn.Module) -> int | None:
-    """The smallest sliding attention window of a decoder-only HF model, or None (Qwen2 keeps it per
-    layer on ``self_attn``; Mistral's attention reads ``config.sliding_window`` in its forward)."""
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
-    windows = [getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in layers]
-    if getattr(model.config, "model_type", None) == "mistral":
-        windows.append(getattr(model.config, "sliding_window", None))
-    windows = [w for w in windows if w]
-    return min(windows) if windows else None
+def sliding_window(config) -> int | None:
+    """The sliding attention window some layer of a decoder-only HF model uses, or None: ``sliding_window``
+    when ``layer_types`` (Qwen2 and newer configs) name a ``sliding_attention`` layer, or, without
+    ``layer_types`` (Mistral, Mixtral), whenever it is set."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+def check_sliding_window(longest: int, window: int | None, *, engine: str) -> None:
+    """Raise for a sequence longer than the model's sliding window: the training engines' attention is
+    full causal, so it would compute a different function than the model's."""
+    if window is not None and longest > window:
+        raise ValueError(
+            f"a sequence of {longest} tokens exceeds the model's sliding window ({window}); the {engine} engine's "
+            "attention is full causal, so it would not match the model: lower data.max_prompt_length + "
+            "rollout.max_new_tokens to the window or below")
 
 
 def count_params(model: torch.nn.Module, *, trainable_only: bool = False) -> int:
@@ -103,6 +113,7 @@ def count_params(model: torch.nn.Module, *, trainable_only: bool = False) -> int
 
 
 __all__ = [
+    "check_sliding_window",
     "sliding_window",
     "BUILTIN_NAMES", "FlopsModel", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "build_char_tokenizer", "count_params",
     "load_causal_lm", "load_reward_model", "load_tokenizer", "model_flops_per_token", "resolve_model_path",

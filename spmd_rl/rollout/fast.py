@@ -159,7 +159,7 @@ class FastDecoder:
         self.head_dim = int(self.layers[0].self_attn.head_dim)
         self.scaling = float(self.layers[0].self_attn.scaling)
         self.vocab = int(model.lm_head.out_features)
-        self.sliding_window = sliding_window(model)
+        self.sliding_window = sliding_window(config)
         self.qkv = [Fused((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)) for l in self.layers]
         self.gate_up = [Fused((l.mlp.gate_proj, l.mlp.up_proj)) for l in self.layers]
         self.fused: list[Fused] = self.qkv + self.gate_up

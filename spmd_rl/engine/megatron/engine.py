@@ -39,12 +39,13 @@ import torch.distributed as dist
 from spmd_rl.config import ActorConfig, MegatronConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.dist.dims import MegatronLayout
+from spmd_rl.engine import packing
 from spmd_rl.engine.fsdp import LossFn, lr_lambda
 from spmd_rl.engine.megatron.convert import export_hf_weights, load_hf_weights
 from spmd_rl.engine.megatron.groups import init_model_parallel
 from spmd_rl.engine.megatron.model import ModelSpec, build_chunks, check_layout, transformer_config
 from spmd_rl.engine.megatron.vocab import vocab_parallel_logprobs
-from spmd_rl.models import load_causal_lm
+from spmd_rl.models import check_sliding_window, load_causal_lm
 
 log = logging.getLogger("spmd_rl")
 
@@ -220,6 +221,8 @@ class MegatronEngine:
             # no loss) up to a multiple of pp
             micros = micros + [micros[0].select([])] * (self.layout.pp - len(micros) % self.layout.pp)
         rows = max(len(m) for m in micros)
+        longest = max(max(packing.row_tokens(m)) for m in micros if len(m))
+        check_sliding_window(longest, self.spec.sliding_window, engine="megatron")
         width = max(max(len(p) for p in m.prompts) + m.response_len for m in micros if len(m))
         width = -(-width // self.layout.tp) * self.layout.tp
         grids = []

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from spmd_rl.dist.dims import MegatronLayout
+from spmd_rl.models import sliding_window
 
 TE_INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]'  (needs CUDA and a matching torch)"
 
@@ -43,6 +44,9 @@ class ModelSpec:
     moe_ffn: int = 0
     family: str = "llama"
     """``llama`` (Llama, Qwen2, Mistral) or ``mixtral``: where the HF names live."""
+    sliding_window: int | None = None
+    """The model's sliding attention window; this engine's attention is full causal, so longer
+    sequences are refused (:func:`spmd_rl.models.check_sliding_window`)."""
 
     @staticmethod
     def from_hf(config) -> "ModelSpec":
@@ -70,7 +74,7 @@ class ModelSpec:
             rope_theta=float(theta), max_positions=config.max_position_embeddings,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(getattr(config, "attention_bias", False)),
-            experts=experts, top_k=top_k, moe_ffn=moe_ffn, family=family,
+            experts=experts, top_k=top_k, moe_ffn=moe_ffn, family=family, sliding_window=sliding_window(config),
         )
 
     def padded_vocab(self, tp: int) -> int:
