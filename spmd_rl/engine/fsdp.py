@@ -188,7 +188,8 @@ class FSDPEngine:
         runs only on positions that predict a valid response token, chunked over them so the
         full-vocabulary logits never exist for the whole micro-batch (:class:`LogprobHead`).
         """
-        check_sliding_window(max(packing.row_tokens(micro), default=0), self.sliding_window, engine="FSDP")
+        if self.sliding_window is not None:
+            check_sliding_window(max(packing.row_tokens(micro), default=0), self.sliding_window, engine="FSDP")
         flat = packing.flatten(micro, pad_token_id=self.pad_token_id, packed=self.use_packing, multiple=self.sp_size)
         width = flat.width // self.sp_size
         lo = self.sp_rank * width
@@ -309,8 +310,8 @@ class FSDPEngine:
         """On a one-rank mesh, reduce gradients only after the last micro-batch: FSDP2 then sums the
         micro-batches' gradients unsharded in its reduce dtype (fp32 on GPU) and runs its reduce path
         (cast and copy into a flat buffer, copy out, accumulate into the shards) once per step instead
-        of once per micro-batch. With more ranks, every micro-batch's reduce-scatter
-        overlaps the next one's compute and keeps the gradients sharded, so it stays."""
+        of once per micro-batch. With more ranks, every micro-batch's reduce-scatter overlaps the next
+        one's compute and keeps the gradients sharded, so it stays."""
         if not self.reduce_every_micro_batch:
             self.model.set_requires_gradient_sync(last)
 

@@ -221,8 +221,9 @@ class MegatronEngine:
             # no loss) up to a multiple of pp
             micros = micros + [micros[0].select([])] * (self.layout.pp - len(micros) % self.layout.pp)
         rows = max(len(m) for m in micros)
-        longest = max(max(packing.row_tokens(m)) for m in micros if len(m))
-        check_sliding_window(longest, self.spec.sliding_window, engine="megatron")
+        if self.spec.sliding_window is not None:
+            longest = max(max(packing.row_tokens(m)) for m in micros if len(m))
+            check_sliding_window(longest, self.spec.sliding_window, engine="megatron")
         width = max(max(len(p) for p in m.prompts) + m.response_len for m in micros if len(m))
         width = -(-width // self.layout.tp) * self.layout.tp
         grids = []
