@@ -11,7 +11,7 @@ import pytest
 
 from spmd_rl.config import Config, from_yaml, load_config, to_yaml
 
-# (flags, the message the rule must give) — one row per rule in spmd_rl/config/sections.py.
+# (flags, the message the rule must give) — one row per rule in spmd_rl/config/sections.py and engines.py.
 RULES = [
     (["--model.tiny-layers", "0"], "model.tiny_layers must be >= 1, got 0"),
     (["--model.tiny-hidden", "30", "--model.tiny-heads", "4"], "model.tiny_hidden (30) must be divisible by model.tiny_heads (4)"),

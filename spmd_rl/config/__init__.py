@@ -8,13 +8,16 @@ Precedence is CLI flag > ``--config`` YAML > dataclass default::
 ``__post_init__`` only checks values that need no knowledge of the world; rules that depend on the
 number of processes live in :mod:`spmd_rl.dist.plan` and run before any process group exists.
 Components receive the narrowest section they need (``cfg.rollout``, ``cfg.actor.fsdp``), never
-the root. The sections live in :mod:`.sections`, reading YAML and flags in :mod:`.loading`.
+the root. The sections live in :mod:`.sections` and :mod:`.engines` (actor, ref), reading YAML and
+flags in :mod:`.loading`.
 """
 
+from .checks import validate
+from .engines import ActorConfig, FsdpConfig, MegatronConfig, RefConfig
 from .loading import from_yaml, load_config, split_config_flag, to_dict, to_yaml
 from .sections import (
-    ActorConfig, AlgoConfig, CheckpointConfig, Config, DataConfig, FsdpConfig, LoggingConfig, MegatronConfig,
-    ModelConfig, PoolsConfig, RefConfig, RewardConfig, RewardModelConfig, RolloutConfig, TrainerConfig, validate,
+    AlgoConfig, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, PoolsConfig, RewardConfig,
+    RewardModelConfig, RolloutConfig, TrainerConfig,
 )
 
 __all__ = [

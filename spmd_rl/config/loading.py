@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from .sections import _DEFER_CHECKS, Config, validate
+from .checks import _DEFER_CHECKS, validate
+from .sections import Config
 
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
