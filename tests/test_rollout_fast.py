@@ -146,13 +146,14 @@ def test_sampler_draws_from_the_filtered_distribution(root: Path) -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     scaled = torch.log(probs).expand(20000, 4)
     lse = torch.logsumexp(scaled, -1)
-    tokens, logprobs = fast._sample(scaled, lse, greedy=False, top_k=3, top_p=1.0,
-                                    generator=torch.Generator().manual_seed(0))
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(0))  # the step's uniforms, one per row
+    tokens, logprobs = fast._pick(scaled, lse, u, top_k=3, top_p=1.0)
     freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
     torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.015, rtol=0)
     torch.testing.assert_close(logprobs, torch.log(probs)[tokens])  # log-probs before filtering
-    tokens, _ = fast._sample(scaled, lse, greedy=False, top_k=0, top_p=0.6, generator=torch.Generator())
+    tokens, _ = fast._pick(scaled, lse, u, top_k=0, top_p=0.6)
     assert set(tokens.tolist()) == {0, 1}
+    assert fast._pick(scaled, lse, None, top_k=0, top_p=1.0)[0].eq(0).all()  # greedy: argmax
     assert batch_buckets(1) == [1] and batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 

@@ -327,12 +327,6 @@ class FastDecoder:
             tokens = torch.minimum(tokens, torch.searchsorted(cdf, total)).squeeze(-1)
         return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse
 
-    def _sample(self, scaled: torch.Tensor, lse: torch.Tensor, *, greedy: bool, top_k: int, top_p: float,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_pick` with fresh uniforms from ``generator`` (for callers outside the decode loop)."""
-        u = None if greedy else torch.rand(scaled.shape[0], generator=generator, device=scaled.device)
-        return self._pick(scaled, lse, u, top_k=top_k, top_p=top_p)
-
     def _record(self, rows: int, *, greedy: bool, top_k: int, top_p: float) -> None:
         """Sample rows ``0..rows-1`` from the logits buffer and write token, log-prob and live mask at the
         output column; finished rows write pad / 0 / 0. The sampled tokens feed the next forward."""

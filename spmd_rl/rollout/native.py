@@ -229,7 +229,7 @@ class NativeRollout:
         """One decode step: ``input_ids [b, 1]`` at ``position_ids [b, 1]`` -> next-token logits ``[b, V]``.
 
         ``attention_mask [b, cached + 1]`` masks the left padding. The Hugging Face loop only; the fast
-        path has its own step (:meth:`spmd_rl.rollout.fast.FastDecoder._decode`).
+        path has its own step (:meth:`spmd_rl.rollout.fast.FastDecoder._step_body`).
         """
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=True)
