@@ -1,4 +1,4 @@
-"""On-device sampling of the rollout: top-k / top-p filtering (both decode loops) and the exponential race (the HF loop).
+"""On-device sampling of the rollout: top-k / top-p filtering (both loops), the exponential race (HF loop).
 
 Log-probs are ``log_softmax(logits / T)`` at the chosen token (``T = 1`` when greedy), taken BEFORE
 top-k / top-p filtering, in float32 (see :mod:`spmd_rl.rollout.base`).
