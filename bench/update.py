@@ -84,7 +84,8 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
     engines = [("", False)] + ([("+compile", True)] if args.compile else [])
     rows_out: list[dict[str, object]] = []
     for suffix, compile_layers in engines:
-        fsdp = FsdpConfig(reshard_after_forward=args.reshard_after_forward, compile_layers=compile_layers)
+        fsdp = FsdpConfig(reshard_after_forward=args.reshard_after_forward, compile_layers=compile_layers,
+                          gather_once=args.gather_once)
         engine = FSDPEngine(model_folder=folder, mesh=FsdpLayout(world).build(dev.type), device=dev, fsdp=fsdp,
                             actor=ActorConfig(lr=1e-6, grad_clip=1.0), total_updates=10 ** 6, trainable=True,
                             pad_token_id=0, use_packing=True, max_tokens_per_gpu=args.max_tokens_per_gpu)
@@ -300,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layouts", nargs="+", default=None, help="only these layouts (e.g. packed+flash)")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP2 reshard_after_forward (off: parameters stay gathered, and cast, until the backward)")
+    p.add_argument("--gather-once", action=argparse.BooleanOptionalAction, default=True,
+                   help="FsdpConfig.gather_once (off: FSDP's per-layer gathers, also on one-rank shards)")
     p.add_argument("--eager-head", action="store_true", help="the log-prob head's eager chunk code, not the compiled one")
     p.add_argument("--reduce-every-micro-batch", action="store_true",
                    help="one GPU: reduce gradients after every micro-batch (the engine does it after the last only)")

@@ -246,6 +246,65 @@ def test_ulysses_packed_logprobs_match_padded_forward(world4: dict[str, Any], re
     assert diff < 1e-5
 
 
+# --------------------------------------------------------------------------- one gather per pass
+
+
+def _gather_once_body(rank: int, world_size: int, folder: str, batch: RolloutBatch) -> dict[str, Any]:
+    """[ddp 2, fsdp 1]: shards of one rank. Two engines, FSDP's per-layer gathers and one gather per
+    pass, each take two updates with a log-prob pass before and after; returns both runs, and
+    whether layer 0's weights were still gathered while the last layer ran (and after the pass)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = FsdpLayout(world_size, 1).build("cpu")
+    mine = batch.select(range(rank * len(batch) // 2, (rank + 1) * len(batch) // 2))
+    counts = torch.tensor([mine["response_mask"].sum().item(), float(len(mine))], dtype=torch.float64)
+    dist.all_reduce(counts)
+    tokens, seqs = counts.tolist()
+    runs: dict[str, Any] = {}
+    for once in (False, True):
+        engine = FSDPEngine(model_folder=folder, mesh=mesh, device=torch.device("cpu"), fsdp=FsdpConfig(fsdp_size=1, gather_once=once),
+                            actor=ActorConfig(**ACTOR), total_updates=2, trainable=True, pad_token_id=PAD)
+        first, last = engine.model.model.layers[0], engine.model.model.layers[-1]
+        seen: list[bool] = []  # layer 0's weight is a plain tensor (gathered) while the last layer runs
+        hook = last.register_forward_pre_hook(lambda *_: seen.append(not isinstance(first.mlp.up_proj.weight, DTensor)))
+
+        def loss_fn(logprobs, entropy, micro):
+            return micro_loss(logprobs, entropy, micro, global_tokens=tokens, global_seqs=seqs)
+
+        out: dict[str, Any] = {"logprobs": [], "grad_norm": []}
+        for _ in range(2):
+            out["logprobs"].append(engine.compute_logprobs(batch, temperature=TEMPERATURE, micro_batch_size=MICRO)[0])
+            stats = engine.train_mini_batch(engine.micro_batches(mine, micro_batch_size=MICRO), loss_fn,
+                                            temperature=TEMPERATURE, need_entropy_grad=True)
+            out["grad_norm"].append(stats["grad_norm"])
+        out["logprobs"].append(engine.compute_logprobs(batch, temperature=TEMPERATURE, micro_batch_size=MICRO)[0])
+        hook.remove()
+        out.update(enabled=engine.gather_once, gathered_during=seen,
+                   sharded_after=all(isinstance(p, DTensor) for p in engine.model.parameters()),
+                   weights={n: t.clone() for n, t in engine.named_full_tensors()})
+        runs["once" if once else "per_layer"] = out
+    return runs if rank == 0 else {}
+
+
+def test_gather_once_on_one_rank_shards_equals_per_layer_gathers(folder: str, batch: RolloutBatch) -> None:
+    """Shards of one rank gather once per pass (no per-layer copies), and the result is the same to
+    the bit: log-probs before, between and after two updates, gradient norms and weights. A stale
+    gathered copy after an optimizer step would show in the second update and the last log-probs."""
+    (runs,) = run_distributed(_gather_once_body, 2, folder, batch)[:1]
+    once, per_layer = runs["once"], runs["per_layer"]
+    assert once["enabled"] and not per_layer["enabled"]
+    micro = len(batch) // MICRO
+    assert once["gathered_during"] == [True] * len(once["gathered_during"]), "layer 0 was resharded mid-pass"
+    assert per_layer["gathered_during"] == [False] * len(per_layer["gathered_during"]) and len(per_layer["gathered_during"]) >= 3 * micro
+    assert once["sharded_after"] and per_layer["sharded_after"], "a pass must end with every module resharded"
+    assert once["grad_norm"] == per_layer["grad_norm"]
+    for a, b in zip(once["logprobs"], per_layer["logprobs"]):
+        assert torch.equal(a, b)
+    assert not torch.equal(once["logprobs"][0], once["logprobs"][2]), "the updates should move the log-probs"
+    for name, w in per_layer["weights"].items():
+        assert torch.equal(once["weights"][name], w), name
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -23,6 +23,11 @@ class FsdpConfig:
     """Keep AdamW state on CPU between updates (GPU runs; a no-op on CPU runs)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3) instead of keeping them (ZeRO-2)."""
+    gather_once: bool = True
+    """Where a shard spans one rank (a one-rank pool, or `fsdp_size` 1), gather (and cast to bf16) the
+    parameters once per pass over the micro-batches instead of per micro-batch and layer, forward and
+    backward: such a gather is a copy that frees nothing. Costs one bf16 copy of the model during the
+    pass; no effect where shards span several ranks."""
     compile_layers: bool = False
     """`torch.compile` every decoder layer of the actor and reference models (in place: parameter
     names and checkpoints unchanged). Fuses the norms, RoPE and SwiGLU: on one H200 the Qwen2-1.5B
