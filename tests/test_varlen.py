@@ -125,3 +125,28 @@ def test_flash_kernel_equals_the_dense_mask_on_gpu() -> None:
         results.append((out[valid].float(), *(x.float() for x in grads)))
     for dense, flash in zip(*results):
         assert ((flash - dense).norm() / dense.norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not ulysses.flash_varlen_available(),
+                    reason="torch's flash varlen kernel runs on CUDA only")
+def test_grouped_flash_varlen_equals_repeated_kv_on_gpu() -> None:
+    """Grouped-query flash without repeating k/v (aten's flash ops, as torch releases without
+    ``enable_gqa`` need) equals the kernel on repeated k/v: outputs, dq, and dk/dv summed per group."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    cu = torch.tensor([0, 37, 150, 151, 300], device="cuda", dtype=torch.int32)
+    t, h, hkv, d = 300, 12, 2, 128
+    q = torch.randn(t, h, d, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(t, hkv, d, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    up = torch.randn(t, h, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    grouped = ulysses._GroupedFlashVarlen.apply(q, k, v, cu, 149, d ** -0.5)
+    got = (grouped, *torch.autograd.grad((grouped * up).sum(), (q, k, v)))
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    rep = h // hkv
+    repeated = varlen_attn(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), cu, cu, 149, 149, scale=d ** -0.5, **causal)
+    want = (repeated, *torch.autograd.grad((repeated * up).sum(), (q, k, v)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert err < 5e-3, f"{name}: relative error {err:.2e}"

@@ -153,7 +153,8 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     """Causal varlen attention, ``[T, H, D]`` x ``[T, Hkv, D]`` -> ``[T, H, D]`` (torch's flash kernel).
 
     The keyword for causality changed between torch releases (``is_causal`` in 2.10,
-    ``window_size=(-1, 0)`` later); grouped-query attention is native where ``enable_gqa`` exists."""
+    ``window_size=(-1, 0)`` later). Grouped-query attention is native in the kernel: through
+    ``enable_gqa`` where it exists, else through :class:`_GroupedFlashVarlen`."""
     import inspect
 
     from torch.nn.attention.varlen import varlen_attn
@@ -161,14 +162,38 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     params = inspect.signature(varlen_attn).parameters
     extra: dict[str, object] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            extra["enable_gqa"] = True
-        else:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if "enable_gqa" not in params:  # torch <= 2.11: the same kernel, called without the head check
+            return _GroupedFlashVarlen.apply(q, k, v, cu, max_len, scale)
+        extra["enable_gqa"] = True
     if scale is not None and "scale" in params:
         extra["scale"] = scale
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+
+
+class _GroupedFlashVarlen(torch.autograd.Function):
+    """Causal flash varlen attention with fewer k/v heads than q heads, through aten's flash ops.
+
+    The flash kernel reads k/v head ``h // (H / Hkv)`` for query head ``h`` and its backward sums
+    the group's k/v gradients itself, so k and v are never repeated (a copy of each and a
+    reduction in the backward). Newer ``varlen_attn`` exposes this as ``enable_gqa`` (torch 2.13
+    has it, 2.11 not); this is the same two ops, for the releases without it."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                scale: float | None) -> torch.Tensor:
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, seed, offset,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
