@@ -80,6 +80,8 @@ def main() -> None:
                         help="stop a generate call after this many seconds (its max_time) and report the "
                              "tokens it made by then")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="memory bandwidth, bytes/s (H200: 4.8e12)")
+    parser.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=True,
+                        help="the decode layers through torch.compile (NativeRollout's CUDA default)")
     parser.add_argument("--out", type=str, default=None, help="write the table rows here as JSON")
     args = parser.parse_args()
 
@@ -92,13 +94,15 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="bench_rollout_")
     model.save_pretrained(folder)
     engine = NativeRollout(folder, device=device, dtype=dtype, batch_size=max(args.batches), pad_token_id=0,
-                           eos_token_ids=[config.vocab_size])  # an id the model cannot produce: EOS ignored
+                           eos_token_ids=[config.vocab_size],  # an id the model cannot produce: EOS ignored
+                           compile_decode=None if args.compile_decode else False)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if engine._fast is None:
         raise SystemExit("bench/rollout.py: the fast decode path is off for this model (see the warning above)")
     print(f"device {name}, torch {torch.__version__}, {args.shape} {dtype}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
-          f"{args.prompt_len} prompt + {args.new_tokens} new tokens, sampling T=1", flush=True)
+          f"{args.prompt_len} prompt + {args.new_tokens} new tokens, sampling T=1, decode layers "
+          f"{'compiled' if engine._fast.compile_layers else 'eager'}", flush=True)
 
     rows_out = []
     gen = torch.Generator().manual_seed(1)

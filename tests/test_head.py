@@ -108,7 +108,7 @@ def test_fused_kernels_equal_the_eager_path(dtype: torch.dtype, entropy: str, de
         torch.testing.assert_close(fused, eager, **tol)
 
 
-def test_fused_head_falls_back_to_eager_when_compilation_fails(monkeypatch, caplog) -> None:
+def test_fused_head_falls_back_to_eager_when_compilation_fails(monkeypatch, caplog, request) -> None:
     """A toolchain that cannot compile (no C++ compiler, a triton bug) costs speed, not the run: the
     failure is logged once and the eager chunk code gives the same numbers."""
     from spmd_rl.engine import head
@@ -118,9 +118,9 @@ def test_fused_head_falls_back_to_eager_when_compilation_fails(monkeypatch, capl
             raise RuntimeError("inductor: no working compiler")
         return run
 
-    monkeypatch.setattr(head, "_COMPILED", {})
-    monkeypatch.setattr(head, "_FAILED", [])
     monkeypatch.setattr(torch, "compile", broken_compile)
+    head._HEAD.reset()
+    request.addfinalizer(head._HEAD.reset)  # later tests compile for real
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(6, 8, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(20, 8, generator=g, dtype=torch.float64, requires_grad=True)

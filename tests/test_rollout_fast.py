@@ -22,6 +22,7 @@ from transformers import (
 
 from spmd_rl.models import load_causal_lm
 from spmd_rl.rollout import GenerationOutput, NativeRollout
+from spmd_rl.rollout import fast
 from spmd_rl.rollout.fast import FastDecoder, batch_buckets
 from support.numerics import perturbed_copy
 
@@ -113,6 +114,25 @@ def test_greedy_equals_hf_loop_with_padding_buckets_and_compaction(root: Path, p
         assert fast_engine._fast._graphs  # the decode step ran as CUDA graphs
 
 
+def test_compiled_decode_layers_equal_the_eager_ones(root: Path, prompts) -> None:
+    """``compile_decode`` (the CUDA default) runs the decode step's layer halves through torch.compile;
+    on CPU inductor's C++ backend compiles the same functions. Greedy with EOS and compaction, and
+    seeded top-k / top-p sampling, give the eager step's tokens, and its log-probs in fp32 rounding."""
+    folder = build(root, "qwen2-gqa-untied")
+    eos = early_eos(responses(greedy(engine(folder, fast=False), prompts)))
+    outs = {}
+    for compiled in (False, True):
+        e = NativeRollout(folder, device=torch.device("cpu"), dtype=torch.float32, batch_size=4, pad_token_id=0,
+                          eos_token_ids=[eos], compile_decode=compiled)
+        assert e._fast.compile_layers is compiled
+        sampled = e.generate(prompts, n=2, temperature=0.9, top_p=0.8, top_k=15, max_new_tokens=16, seed=5)
+        outs[compiled] = (greedy(e, prompts), sampled, e._fast.compactions)
+    assert outs[True][2] > 0 and outs[True][2] == outs[False][2]
+    assert_same(outs[True][0], outs[False][0])
+    assert_same(outs[True][1], outs[False][1])
+    assert fast._DECODE.failed is None
+
+
 def teacher_forced_logprobs(folder: str, out: GenerationOutput, temperature: float) -> torch.Tensor:
     model = load_causal_lm(folder, dtype=torch.float32)
     result = torch.zeros_like(out.logprobs)
@@ -183,6 +203,13 @@ def test_sleep_frees_the_kv_cache_and_wake_up_restores_it(root: Path, prompts, d
         e.wake_up()
         assert tuple(fast.cache.shape) == shape
         assert_same(greedy(e, prompts), ref, atol=0)
+    graphs = dict(fast._graphs)
+    cache = fast.cache
+    e.sleep(0)  # keeps the cache and the captured graphs: the next call reuses them, nothing is recaptured
+    e.wake_up()
+    assert fast.cache is cache and fast._graphs == graphs and (device == "cpu" or graphs)
+    assert_same(greedy(e, prompts), ref, atol=0)
+    assert fast._graphs == graphs
     e.close()
 
 

@@ -32,14 +32,14 @@ Two ways to run the per-chunk vocabulary work, the same formulas:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("spmd_rl")
+from spmd_rl.compiled import CompileGroup, triton_available
+
 
 DEFAULT_CHUNK_ELEMENTS = 2 ** 28
 """Logit elements per chunk when the engine is not told a chunk size (1 GiB of fp32 logits)."""
@@ -71,7 +71,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                 chunk: int, with_entropy: bool, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         n, dtype = hidden.shape[0], _work_dtype(hidden.dtype)
         logp, lse, ent = (torch.zeros(n, dtype=dtype, device=hidden.device) for _ in range(3))
-        stats = _fused("stats", chunk_stats) if fused else chunk_stats
+        stats = _stats if fused else chunk_stats
         kept = None
         for s in range(0, n, chunk):
             logits = F.linear(hidden[s:s + chunk], weight)  # raw, in the weight's dtype
@@ -93,7 +93,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         n, t, c = hidden.shape[0], ctx.temperature, ctx.chunk
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = None
-        grad = _fused("grad", _chunk_grad_in_place) if ctx.fused else _chunk_grad_in_place
+        grad = _grad if ctx.fused else _chunk_grad_in_place
         for s in range(0, n, c) if g_logp is not None or g_ent is not None else ():
             h = hidden[s:s + c]
             logits = ctx.kept if ctx.kept is not None else F.linear(h, weight)
@@ -176,46 +176,14 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_COMPILED: dict[str, Callable] = {}
-_FAILED: list[str] = []  # set once torch.compile failed here: every later call runs eager
-
-
-def _fused(name: str, eager: Callable) -> Callable:
-    """``chunk_stats`` / ``chunk_grad`` through ``torch.compile`` (dynamic in the chunk length), built
-    once. If compiling or running the compiled code fails, the reason is logged once and ``eager`` (the
-    same numbers, more memory traffic) runs from then on, so a broken toolchain slows the run, not stops it."""
-    if _FAILED:
-        return eager
-    if name not in _COMPILED:
-        fn = {"stats": chunk_stats, "grad": chunk_grad}[name]
-        _COMPILED[name] = torch.compile(fn, dynamic=True, fullgraph=True)
-    compiled = _COMPILED[name]
-
-    def call(*args):
-        if _FAILED:
-            return eager(*args)
-        try:
-            return compiled(*args)
-        except Exception as exc:  # inductor / triton trouble: fall back rather than lose the run
-            if isinstance(exc, torch.OutOfMemoryError):
-                raise
-            _FAILED.append(f"{type(exc).__name__}: {exc}")
-            log.warning("the fused log-prob head failed to compile or run (%s); using the eager head from now "
-                        "on", _FAILED[0][:300])
-            return eager(*args)
-
-    return call
+_HEAD = CompileGroup("the fused log-prob head")  # on CUDA; eager chunk code if compiling fails
+_stats = _HEAD.wrap(chunk_stats)
+_grad = _HEAD.wrap(chunk_grad, eager=_chunk_grad_in_place)  # the in-place eager code, same numbers
 
 
 def fused_available(device: torch.device) -> bool:
     """Whether the fused head can run on ``device``: CUDA with triton (what inductor generates there)."""
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_available(device)
 
 
 def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -41,10 +41,13 @@ How a chunk of ``b`` left-padded rows runs:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..compiled import CompileGroup
 from ..models import sliding_window
 from .sampling import filter_logits
 
@@ -54,6 +57,10 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # SDPA kernels the path may use: masked attention runs the memory-efficient kernel on CUDA (flash takes
 # no mask) and the fused CPU kernel on CPU; a known, graph-capturable choice on every torch version.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# hidden_act -> the function the layer code applies to the gate (what HF's ACT2FN gives for these names)
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+                "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
+_DECODE = CompileGroup("the rollout's compiled decode layers")  # CUDA; eager layer code if compiling fails
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -82,6 +89,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
             if not hasattr(mlp, name):
                 return f"layer {i} MLP has no {name} (not a gated Llama / Qwen2 / Mistral MLP)"
+        if mlp.gate_proj.out_features != mlp.up_proj.out_features:
+            return f"layer {i} MLP has gate and up projections of different widths"
         for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
             if not all(isinstance(m, torch.nn.Linear) for m in group):
                 return f"layer {i} has projections that are not nn.Linear"
@@ -92,7 +101,40 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
                 return f"layer {i} {name} is not an RMSNorm with variance_epsilon"
     if not hasattr(inner.norm, "variance_epsilon"):
         return "model.norm is not an RMSNorm with variance_epsilon"
+    act = getattr(config, "hidden_act", None)
+    if act not in _ACTIVATIONS:
+        return f"hidden_act {act!r} is not one of {tuple(_ACTIVATIONS)}"
     return None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) = roll(x) * [-1, 1]`` (the sign is in
+    ``signed_sin``): three kernels eager, one compiled."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def layer_functions(*, qk_heads: int, head_dim: int, intermediate: int, act: str) -> tuple[Callable, Callable]:
+    """The two halves of a decoder layer around attention, for one model's constants, as pure functions
+    (compiled as they are, or run eagerly):
+
+    * ``attn_in(x, norm, eps, w, b, cos, signed_sin) -> (qk, v)``: RMSNorm, the fused q/k/v GEMM and RoPE
+      on q and k together: ``x [..., h]`` -> ``qk [..., H + Hkv, D]`` (rotated) and ``v [..., Hkv, D]``;
+    * ``attn_out(x, o, o_w, o_b, norm, eps, gate_up_w, gate_up_b, down_w, down_b) -> x``: o_proj and the
+      residual, RMSNorm, the fused gate/up GEMM, the activation times up, down_proj and the residual.
+    """
+    split, activation = qk_heads * head_dim, _ACTIVATIONS[act]
+
+    def attn_in(x, norm, eps, w, b, cos, signed_sin):
+        qkv = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps=eps), w, b)
+        qk = qkv[..., :split].unflatten(-1, (qk_heads, head_dim))
+        return rope(qk, cos, signed_sin), qkv[..., split:].unflatten(-1, (-1, head_dim))
+
+    def attn_out(x, o, o_w, o_b, norm, eps, gate_up_w, gate_up_b, down_w, down_b):
+        x = x + F.linear(o, o_w, o_b)
+        gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps=eps), gate_up_w, gate_up_b).split(intermediate, -1)
+        return x + F.linear(activation(gate) * up, down_w, down_b)
+
+    return attn_in, attn_out
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -144,7 +186,10 @@ class FastDecoder:
                      "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin")
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_batch: int, pad_token_id: int,
-                 prefill_tokens: int = 16384) -> None:
+                 prefill_tokens: int = 16384, compile_layers: bool = False) -> None:
+        """``compile_layers``: run the decode step's layer halves (:func:`layer_functions`) through
+        ``torch.compile`` (one fused kernel for each norm, for RoPE and for the activation); the prefill
+        runs them eagerly. Compiling fails over to the eager code, logged once."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FastDecoder: {reason}")
@@ -163,6 +208,13 @@ class FastDecoder:
         self.qkv = [Fused((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)) for l in self.layers]
         self.gate_up = [Fused((l.mlp.gate_proj, l.mlp.up_proj)) for l in self.layers]
         self.fused: list[Fused] = self.qkv + self.gate_up
+        self.attn_in, self.attn_out = layer_functions(
+            qk_heads=self.heads + self.kv_heads, head_dim=self.head_dim, act=config.hidden_act,
+            intermediate=self.layers[0].mlp.up_proj.out_features)
+        self.compile_layers = compile_layers
+        # the decode step's halves: compiled (dynamic in the rows, so one artifact for every bucket) or not
+        self._step_in, self._step_out = ((_DECODE.wrap(self.attn_in), _DECODE.wrap(self.attn_out)) if compile_layers
+                                         else (self.attn_in, self.attn_out))
         self.buckets = batch_buckets(max_batch)
         self.pad_token_id = int(pad_token_id)
         self.prefill_tokens = prefill_tokens
@@ -227,30 +279,25 @@ class FastDecoder:
         self._out_mask = torch.zeros_like(self._out_lp)
         self._slots = torch.arange(slots, device=dev)
         self._cos = torch.zeros(slots, self.head_dim, dtype=dtype, device=dev)  # RoPE table by position
-        self._sin = torch.zeros_like(self._cos)  # sin with the first half negated (see _rope)
+        self._sin = torch.zeros_like(self._cos)  # sin with the first half negated (see rope())
         self._eos = None
 
     # ------------------------------------------------------------------ forward pieces
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """HF's ``x * cos + rotate_half(x) * sin`` in three kernels: ``rotate_half(x) = roll(x) * [-1, 1]``."""
-        return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), signed_sin)
 
     @staticmethod
     def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm with float32 statistics in one fused kernel (``x * rsqrt(mean x^2 + eps) * w``, rounded once)."""
         return F.rms_norm(x, (x.shape[-1],), norm.weight, eps=norm.variance_epsilon)
 
-    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[..., (H + 2 Hkv) D]`` -> the q,k part ``[..., H + Hkv, D]`` (RoPE'd together) and v ``[..., Hkv, D]``."""
-        qk = (self.heads + self.kv_heads) * self.head_dim
-        return (qkv[..., :qk].unflatten(-1, (self.heads + self.kv_heads, self.head_dim)),
-                qkv[..., qk:].unflatten(-1, (self.kv_heads, self.head_dim)))
+    def _in(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn: Callable) -> tuple:
+        norm = self.layers[i].input_layernorm
+        return fn(x, norm.weight, norm.variance_epsilon, self.qkv[i].weight, self.qkv[i].bias, cos, sin)
 
-    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.layers[i].mlp
-        gate, up = self.gate_up[i](x).split(self.gate_up[i].sizes, dim=-1)
-        return mlp.down_proj(mlp.act_fn(gate) * up)
+    def _out(self, i: int, x: torch.Tensor, o: torch.Tensor, fn: Callable) -> torch.Tensor:
+        layer = self.layers[i]
+        o_proj, norm, down = layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp.down_proj
+        return fn(x, o, o_proj.weight, o_proj.bias, norm.weight, norm.variance_epsilon, self.gate_up[i].weight,
+                  self.gate_up[i].bias, down.weight, down.bias)
 
     def _head(self, x: torch.Tensor, rows: int) -> None:
         """Final norm and ``lm_head`` of ``x [rows, h]`` -> ``logits / T`` (float32) and its logsumexp, into
@@ -270,17 +317,16 @@ class FastDecoder:
         x = self.inner.embed_tokens(ids)
         bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
         cos, sin = self._cos[pos][:, :, None], self._sin[pos][:, :, None]  # [b, P, 1, D]
-        for i, layer in enumerate(self.layers):
-            qk, v = self._split(self.qkv[i](self._rms(layer.input_layernorm, x)))
-            qk = self._rope(qk, cos, sin).transpose(1, 2)  # [b, H + Hkv, P, D]
-            q, k, v = qk[:, :self.heads], qk[:, self.heads:], v.transpose(1, 2)
+        for i in range(len(self.layers)):
+            qk, v = self._in(i, x, cos, sin, self.attn_in)
+            qk, v = qk.transpose(1, 2), v.transpose(1, 2)  # [b, H + Hkv, P, D], [b, Hkv, P, D]
+            q, k = qk[:, :self.heads], qk[:, self.heads:]
             self.cache[i, 0, row0:row0 + b, :, :length] = k
             self.cache[i, 1, row0:row0 + b, :, :length] = v
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scaling)
-            x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, length, self.heads * self.head_dim))
-            x = x + self._mlp(i, self._rms(layer.post_attention_layernorm, x))
+            x = self._out(i, x, o.transpose(1, 2).reshape(b, length, self.heads * self.head_dim), self.attn_out)
         scaled = self._scaled[row0:row0 + b]
         scaled.copy_(self.model.lm_head(self._rms(self.inner.norm, x[:, -1]))).div_(self._temp)
         torch.logsumexp(scaled, dim=-1, out=self._lse[row0:row0 + b])
@@ -294,16 +340,14 @@ class FastDecoder:
         bias = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill_(~valid, float("-inf"))
         bias = bias[:, None, None, :]
         cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [rows, 1, D]
-        for i, layer in enumerate(self.layers):
-            qk, v = self._split(self.qkv[i](self._rms(layer.input_layernorm, x)))
-            qk = self._rope(qk, cos, sin)
+        for i in range(len(self.layers)):
+            qk, v = self._in(i, x, cos, sin, self._step_in)
             k_cache, v_cache = self.cache[i, 0, :rows], self.cache[i, 1, :rows]
             k_cache.index_copy_(2, self._slot, qk[:, self.heads:, None])
             v_cache.index_copy_(2, self._slot, v[:, :, None])
             q = qk[:, :self.heads].unflatten(1, (self.kv_heads, self.group))  # query heads of one KV head together
             o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=self.scaling)
-            x = x + layer.self_attn.o_proj(o.reshape(rows, self.heads * self.head_dim))
-            x = x + self._mlp(i, self._rms(layer.post_attention_layernorm, x))
+            x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
         self._head(x, rows)
         self._pos[:rows] += 1
         self._slot += 1

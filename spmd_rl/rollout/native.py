@@ -18,8 +18,9 @@ every row has stopped.
 Two decode loops, the same outputs (greedy: token for token; tests/test_rollout_fast.py):
 
 * the fast path (:mod:`spmd_rl.rollout.fast`, on by default for Llama / Qwen2 / Mistral shapes, CPU
-  and GPU): static KV cache, the decode step as a CUDA graph per batch bucket, finished rows
-  compacted into smaller buckets. ``sleep`` frees its cache and graphs, ``wake_up`` reallocates;
+  and GPU): static KV cache, the decode step as a CUDA graph per batch bucket (its layers compiled
+  on CUDA), finished rows compacted into smaller buckets. ``sleep`` frees its cache and graphs,
+  ``wake_up`` reallocates;
 * the Hugging Face loop (``fast_decode=False``, other model types, or a call longer than the model's
   sliding window; a warning says why): ``DynamicCache`` and :meth:`NativeRollout._decode_step`.
 
@@ -38,6 +39,7 @@ from typing import Iterable
 import torch
 from transformers import DynamicCache
 
+from ..compiled import triton_available
 from ..models import load_causal_lm
 from .base import GenerationOutput, check_sampling_args
 from .fast import FastDecoder, Fused, unsupported_reason
@@ -74,7 +76,10 @@ class NativeRollout:
         eos_token_ids: list[int],
         trust_remote_code: bool = False,
         fast_decode: bool = True,
+        compile_decode: bool | None = None,
     ) -> None:
+        """``compile_decode``: the fast path's decode layers through ``torch.compile`` (see
+        :class:`FastDecoder`); None = where inductor makes triton kernels (CUDA), True also elsewhere."""
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
         if not eos_token_ids:
@@ -103,8 +108,9 @@ class NativeRollout:
         if fast_decode:
             reason = unsupported_reason(self.model)
             if reason is None:
+                compile_layers = triton_available(self.device) if compile_decode is None else compile_decode
                 self._fast = FastDecoder(self.model, device=self.device, max_batch=batch_size,
-                                         pad_token_id=self.pad_token_id)
+                                         pad_token_id=self.pad_token_id, compile_layers=compile_layers)
             else:
                 log.warning("NativeRollout: fast decode is off (%s); using the Hugging Face decode loop", reason)
         # What sleep(2) moves: the fast path's fused tensors (its parameters are views of them), then every
@@ -261,15 +267,19 @@ class NativeRollout:
                 target.copy_(tensor)
 
     def sleep(self, level: int) -> None:
-        """1: free the KV cache and the CUDA graphs; 2: also move the weights to (pinned) host memory.
+        """0: keep everything on the device (a no-op: the next rollout reuses the KV cache and the
+        captured CUDA graphs); 1: free the KV cache and the CUDA graphs; 2: also move the weights to
+        (pinned) host memory.
 
         The freed memory goes back to torch's caching allocator, where the colocated actor's passes
         reuse it; the cache is not emptied to the driver, so the next rollout does not allocate afresh
         (on the H200 that was ~0.3 s of a SmolLM2 step, docs/PERF.md). The released graphs' private
         pool stays reserved until torch empties its cache (it does so by itself before failing an
         allocation)."""
-        if level not in (1, 2):
-            raise ValueError(f"rollout.sleep_level must be 1 or 2, got {level}")
+        if level not in (0, 1, 2):
+            raise ValueError(f"rollout.sleep_level must be 0, 1 or 2, got {level}")
+        if level == 0:
+            return
         if self._fast is not None:
             self._fast.release()
         if level == 2 and self._sleep_level < 2:
