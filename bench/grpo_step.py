@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -85,13 +86,22 @@ def run_ours(args: argparse.Namespace, folder: str, data: str, out_dir: str) -> 
         flags += ["--actor.use-packing", "--actor.max-tokens-per-gpu", str(budget)]
     if args.ours_compile:
         flags += ["--actor.fsdp.compile-layers"]
+    flags += shlex.split(args.ours_extra)
     cfg = load_config(flags)
     env = DistEnv.from_environ().init(device=cfg.trainer.device)
     from spmd_rl.trainer import Trainer
 
     trainer = Trainer(cfg, env)
     try:
-        trainer.fit()
+        if args.profile:  # every step profiled (slower); the table reads the last one
+            from spmd_rl.profiling import format_stage_times, profiled, stage_times
+
+            with profiled(env.device, None) as prof:
+                trainer.fit()
+            if env.is_main:
+                print("stage profile, last step:\n" + format_stage_times(stage_times(prof, top=args.profile_top)), flush=True)
+        else:
+            trainer.fit()
     finally:
         trainer.close()
         del trainer
@@ -167,7 +177,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="ours: tokens per packed micro-batch (default: those of one --micro-batch-size micro-batch)")
     p.add_argument("--ours-compile", action="store_true", help="ours: torch.compile the decoder layers "
                    "(actor.fsdp.compile_layers)")
+    p.add_argument("--ours-extra", default="", help="ours: more trainer flags, e.g. --ours-extra='--rollout.sleep-level 0'")
     p.add_argument("--only", choices=["both", "ours", "trl"], default="both")
+    p.add_argument("--profile", action="store_true", help="ours under torch.profiler; per stage of the last "
+                   "step, wall time against kernel time, and the top kernels of ref and update (slows ours down; "
+                   "a training run gets the same from --trainer.profile-steps)")
+    p.add_argument("--profile-top", type=int, default=12, help="how many kernels --profile lists per stage")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--models", default=default_root())
     p.add_argument("--out", default=None)

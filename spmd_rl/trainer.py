@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -44,6 +44,7 @@ from spmd_rl.dist.world import RunGroups, build_run_groups
 from spmd_rl.engine.fsdp import FSDPEngine
 from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, grpo_step_flops, peak_flops, phase_mfu
 from spmd_rl.models import FlopsModel, load_tokenizer, resolve_model_path
+from spmd_rl.profiling import STAGE_PREFIX, format_stage_times, profiled, stage_times
 from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout
 
@@ -57,7 +58,8 @@ class StageTimer:
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
-        yield
+        with torch.profiler.record_function(STAGE_PREFIX + name):  # a named range under torch.profiler
+            yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
@@ -159,7 +161,7 @@ class Trainer:
         self.rollout_mp = coords["pp"] * cfg.rollout.tp + coords["tp"]
         self.rollout_src = ((self.pool.rank, self.pool.size) if self.rollout_mp_size > 1
                             else (self.rollout_dp, self.rollout_dp_size))
-        options = {}
+        options: dict[str, object] = {"compile_decode": None if cfg.rollout.compile_decode else False}
         if cfg.rollout.backend == "vllm":  # seed: the same inside a replica, different across replicas
             options = dict(tp=cfg.rollout.tp, pp=cfg.rollout.pp, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                            max_model_len=cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
@@ -200,7 +202,9 @@ class Trainer:
             self.step += 1
             timer = StageTimer()
             acc = MetricAccumulator()
-            with timer("step"):
+            trace = os.path.join(cfg.output_dir, "profile", f"step{self.step}_rank{self.env.rank}.json.gz")
+            profiling = profiled(self.env.device, trace) if self.step in cfg.profile_steps else nullcontext()
+            with profiling as prof, timer("step"):
                 with timer("gen"):
                     batch = self.generate(acc, timer)
                 with timer("reward"):
@@ -216,6 +220,9 @@ class Trainer:
                 with timer("update"):
                     self.update(batch, acc)
             last = self.finish_step(batch, acc, timer)
+            if prof is not None and self.env.is_main:
+                log.info("step %d under torch.profiler (trace: %s):\n%s", self.step, trace,
+                         format_stage_times(stage_times(prof)))
             if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.total_steps):
                 val = self.validate()
                 self.sink.log(val, self.step)

@@ -228,7 +228,9 @@ def test_sleep_wake_round_trip_keeps_outputs(folder: str, tok, prompts, device: 
     engine.sleep(2)  # idempotent
     engine.wake_up()
     assert torch.equal(engine.generate(prompts, n=2, seed=1, **SAMPLING).response_ids, ref.response_ids)
-    with pytest.raises(ValueError, match="rollout.sleep_level must be 1 or 2, got 3"):
+    engine.sleep(0)  # keeps everything: no wake-up needed
+    assert torch.equal(engine.generate(prompts, n=2, seed=1, **SAMPLING).response_ids, ref.response_ids)
+    with pytest.raises(ValueError, match="rollout.sleep_level must be 0, 1 or 2, got 3"):
         engine.sleep(3)
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):

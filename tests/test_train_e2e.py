@@ -53,14 +53,21 @@ def test_grpo_learns_under_torchrun(tmp_path):
 
 
 def test_same_seed_same_metrics(tmp_path):
+    """Two runs of one seed log the same metrics, also when the second profiles its step 2."""
     runs = []
-    for name in ("a", "b"):
+    for name, extra in (("a", ()), ("b", ("--trainer.profile-steps", "2"))):
         out = str(tmp_path / name)
-        _check(torchrun(out, "--trainer.total-steps", "4", "--algo.kl-coef", "0.01"))
+        proc = torchrun(out, "--trainer.total-steps", "4", "--algo.kl-coef", "0.01", *extra)
+        _check(proc)
         runs.append([{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "elapsed_s"))}
                      for m in read_metrics(out)])
     assert runs[0] == runs[1]
     assert len(runs[0]) == 4
+    for rank in (0, 1):  # a Chrome trace per rank, and rank 0's stage table in the log
+        assert os.path.getsize(tmp_path / "b" / "profile" / f"step2_rank{rank}.json.gz") > 1000
+    assert "step 2 under torch.profiler" in proc.stderr
+    table = proc.stderr.split("step 2 under torch.profiler", 1)[1]
+    assert all(f"\n  {stage} " in table for stage in ("step", "gen", "reward", "update")), table[:2000]
 
 
 def test_bad_layout_fails_before_start(tmp_path):

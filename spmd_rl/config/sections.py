@@ -125,8 +125,13 @@ class RolloutConfig:
     """Tensor-parallel degree of the rollout engine (ranks of one tp group get the same prompts)."""
     pp: int = 1
     """Pipeline-parallel degree of the rollout engine."""
-    sleep_level: Literal[1, 2] = 1
-    """After generation free the KV cache (1) or the KV cache and the weights (2)."""
+    compile_decode: bool = True
+    """Native backend on CUDA: the decode step's layers through `torch.compile` inside its CUDA graph
+    (one kernel for each norm, RoPE and the activation); the first rollout pays the compilation."""
+    sleep_level: Literal[0, 1, 2] = 1
+    """After generation keep everything on the device (0: the next rollout neither reallocates its KV
+    cache nor recaptures its CUDA graphs, and the update runs next to them), free the KV cache and
+    graphs (1) or the KV cache and the weights (2)."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory it may take."""
     max_model_len: int | None = None
@@ -264,9 +269,13 @@ class TrainerConfig:
     """`auto` uses cuda:LOCAL_RANK when CUDA exists, else the CPU."""
     dist_timeout_s: int = 1800
     """Timeout of collectives in seconds."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Steps to run under torch.profiler: a Chrome trace per rank in `<output_dir>/profile/` and, on
+    rank 0, the log of each stage's wall time against its kernels' time (spmd_rl/profiling.py)."""
 
     def __post_init__(self) -> None:
         _check(self.total_steps >= 1, f"trainer.total_steps must be >= 1, got {self.total_steps}")
+        _check(all(s >= 1 for s in self.profile_steps), f"trainer.profile_steps must be >= 1, got {self.profile_steps}")
         _check(self.val_every >= 0, f"trainer.val_every must be >= 0, got {self.val_every}")
         _check(self.dist_timeout_s >= 1, f"trainer.dist_timeout_s must be >= 1, got {self.dist_timeout_s}")
 

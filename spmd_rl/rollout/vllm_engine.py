@@ -258,12 +258,13 @@ class VllmRollout:
             self._reset_prefix_cache()
 
     def sleep(self, level: int) -> None:
-        """1: free the KV cache and offload the weights to host memory; 2: free both (the weights
-        must then be loaded again). A no-op on memory where vLLM has no sleep mode (CPU)."""
-        if level not in (1, 2):
-            raise ValueError(f"rollout.sleep_level must be 1 or 2, got {level}")
+        """0: keep everything (a no-op); 1: free the KV cache and offload the weights to host memory;
+        2: free both (the weights must then be loaded again). A no-op on memory where vLLM has no
+        sleep mode (CPU)."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"rollout.sleep_level must be 0, 1 or 2, got {level}")
         self._check_usable("sleep")
-        if self._sleep_level:
+        if self._sleep_level or level == 0:
             return
         if self.sleep_supported:
             self.llm.sleep(level=level)

@@ -1,0 +1,89 @@
+"""Where a step's time goes: ``torch.profiler`` over chosen steps, read per trainer stage.
+
+    torchrun ... -m spmd_rl.train --trainer.profile-steps 5 20      # steps 5 and 20 under the profiler
+
+The trainer's stage timer names every stage as a ``stage/<name>`` range. For a profiled step each
+rank writes a Chrome trace (``<output_dir>/profile/step5_rank0.json.gz``, open it in Perfetto) and
+rank 0 logs one line per stage: its wall time, the device time of the kernels that started inside
+it, and so how busy the device was. A stage whose GPU idles is bound by the host (Python, kernel
+launches, synchronisations), which no faster kernel fixes; then the stage's longest kernels.
+The profiler slows the host side, so the wall times of a profiled step are an upper bound.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch.autograd import DeviceType
+
+STAGE_PREFIX = "stage/"
+
+
+@dataclass
+class StageTime:
+    """One stage of a profiled step: wall and kernel time in ms, and its kernels by total time."""
+
+    name: str
+    wall_ms: float
+    kernel_ms: float
+    kernels: int
+    top: list[tuple[str, float, int]] = field(default_factory=list)  # (kernel, ms, launches)
+
+    @property
+    def busy(self) -> float:
+        return self.kernel_ms / self.wall_ms if self.wall_ms > 0 else 0.0
+
+
+def stage_times(prof: torch.profiler.profile, *, top: int = 8) -> list[StageTime]:
+    """The LAST range of each ``stage/<name>`` in ``prof`` (the trainer's stages), in start order, with
+    the device kernels that started inside it. Ranges' own GPU mirrors (user annotations) are not kernels."""
+    events = prof.events()
+    ranges: dict[str, tuple[float, float]] = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name.startswith(STAGE_PREFIX):
+            ranges[e.name[len(STAGE_PREFIX):]] = (e.time_range.start, e.time_range.end)
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
+               if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+               and not e.name.startswith(STAGE_PREFIX) and "#" not in e.name]
+    out = []
+    for name, (lo, hi) in sorted(ranges.items(), key=lambda kv: kv[1][0]):
+        inside = [(b - a, k) for a, b, k in kernels if lo <= a < hi]
+        by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        for us, k in inside:
+            by_name[k][0] += us
+            by_name[k][1] += 1
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+        out.append(StageTime(name, (hi - lo) / 1e3, sum(us for us, _ in inside) / 1e3, len(inside),
+                             [(k, us / 1e3, int(n)) for k, (us, n) in ranked]))
+    return out
+
+
+def format_stage_times(stages: list[StageTime], *, top_of: tuple[str, ...] = ("update", "ref", "old_logprob")) -> str:
+    lines = [f"  {'stage':12s} {'wall ms':>9s} {'kernel ms':>10s} {'kernels':>8s} {'GPU busy':>9s}"]
+    for s in stages:
+        lines.append(f"  {s.name:12s} {s.wall_ms:9.1f} {s.kernel_ms:10.1f} {s.kernels:8d} {100 * s.busy:8.1f}%")
+        if s.name in top_of:
+            lines += [f"      {ms:8.1f} ms  x{n:<6d} {k[:100]}" for k, ms, n in s.top]
+    return "\n".join(lines)
+
+
+@contextmanager
+def profiled(device: torch.device, trace_path: str | None) -> Iterator[torch.profiler.profile]:
+    """``torch.profiler`` over the block (CPU, plus CUDA on a CUDA device); the Chrome trace goes to
+    ``trace_path`` (``.gz`` compresses) when given."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield prof
+    if trace_path is not None:
+        os.makedirs(os.path.dirname(trace_path) or ".", exist_ok=True)
+        prof.export_chrome_trace(trace_path)
+
+
+__all__ = ["STAGE_PREFIX", "StageTime", "format_stage_times", "profiled", "stage_times"]
