@@ -8,7 +8,10 @@ Each wrapped function is compiled once (``dynamic=True``: one artifact for every
 ``fullgraph=True``: no silent graph breaks). If compiling or running the compiled code fails (no
 C++ compiler, a triton or inductor bug), the reason is logged once for the group and every function
 of the group runs its eager code from then on: a broken toolchain slows a run, it does not stop it.
-Out-of-memory errors are not toolchain trouble and propagate.
+Out-of-memory errors are not toolchain trouble and propagate. Functions that share a code object
+(closures of one ``def``) share dynamo's cache of compiled variants, and past its recompile limit
+dynamo runs them eagerly by itself (with its own warning): a process that builds many different
+model shapes gets the eager speed for the later ones.
 """
 
 from __future__ import annotations
@@ -27,19 +30,21 @@ class CompileGroup:
     def __init__(self, what: str) -> None:
         self.what = what
         self.failed: str | None = None  # the first failure's reason, once one happened
-        self._compiled: dict[int, Callable] = {}
+        self._generation = 0  # bumped by reset(): wrappers compile again
 
     def wrap(self, fn: Callable, *, eager: Callable | None = None) -> Callable:
-        """``fn`` compiled on first use; ``eager`` (default ``fn``) after a failure of the group."""
+        """``fn`` compiled on first use; ``eager`` (default ``fn``) after a failure of the group.
+        The compiled code lives with the returned wrapper (dropping the wrapper drops it)."""
         fallback = eager or fn
+        state: dict[str, object] = {"generation": -1, "compiled": None}
 
         def call(*args: object) -> object:
             if self.failed is None:
-                compiled = self._compiled.get(id(fn))
-                if compiled is None:
-                    compiled = self._compiled[id(fn)] = torch.compile(fn, dynamic=True, fullgraph=True)
+                if state["generation"] != self._generation:
+                    state["compiled"] = torch.compile(fn, dynamic=True, fullgraph=True)
+                    state["generation"] = self._generation
                 try:
-                    return compiled(*args)
+                    return state["compiled"](*args)  # type: ignore[operator]
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as exc:  # inductor / triton trouble: fall back rather than lose the run
@@ -54,7 +59,7 @@ class CompileGroup:
     def reset(self) -> None:
         """Forget compiled code and failures (tests; after swapping the toolchain)."""
         self.failed = None
-        self._compiled.clear()
+        self._generation += 1
 
 
 def triton_available(device: torch.device) -> bool:

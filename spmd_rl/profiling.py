@@ -7,7 +7,10 @@ rank writes a Chrome trace (``<output_dir>/profile/step5_rank0.json.gz``, open i
 rank 0 logs one line per stage: its wall time, the device time of the kernels that started inside
 it, and so how busy the device was. A stage whose GPU idles is bound by the host (Python, kernel
 launches, synchronisations), which no faster kernel fixes; then the stage's longest kernels.
-The profiler slows the host side, so the wall times of a profiled step are an upper bound.
+The profiler slows the host side, so the wall times of a profiled step are an upper bound. Kernel
+time is summed over all streams and counted in the stage where the kernel started: kernels that
+overlap (compute next to NCCL) can add up to more than the wall time, and a collective that waits
+for a slower rank counts as busy. Read the busy share of multi-GPU runs with the trace at hand.
 """
 
 from __future__ import annotations

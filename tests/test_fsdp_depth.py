@@ -267,6 +267,10 @@ def _gather_once_body(rank: int, world_size: int, folder: str, batch: RolloutBat
         first, last = engine.model.model.layers[0], engine.model.model.layers[-1]
         seen: list[bool] = []  # layer 0's weight is a plain tensor (gathered) while the last layer runs
         hook = last.register_forward_pre_hook(lambda *_: seen.append(not isinstance(first.mlp.up_proj.weight, DTensor)))
+        root: list[bool] = []  # the root's own parameter is still gathered when a micro-batch's forward starts
+        norm = engine.model.model.norm
+        root_hook = engine.model.register_forward_pre_hook(lambda *_: root.append(not isinstance(norm.weight, DTensor)),
+                                                           prepend=True)  # before FSDP's own gather
 
         def loss_fn(logprobs, entropy, micro):
             return micro_loss(logprobs, entropy, micro, global_tokens=tokens, global_seqs=seqs)
@@ -274,12 +278,16 @@ def _gather_once_body(rank: int, world_size: int, folder: str, batch: RolloutBat
         out: dict[str, Any] = {"logprobs": [], "grad_norm": []}
         for _ in range(2):
             out["logprobs"].append(engine.compute_logprobs(batch, temperature=TEMPERATURE, micro_batch_size=MICRO)[0])
+            root.append(None)  # a pass ends
             stats = engine.train_mini_batch(engine.micro_batches(mine, micro_batch_size=MICRO), loss_fn,
                                             temperature=TEMPERATURE, need_entropy_grad=True)
+            root.append(None)
             out["grad_norm"].append(stats["grad_norm"])
         out["logprobs"].append(engine.compute_logprobs(batch, temperature=TEMPERATURE, micro_batch_size=MICRO)[0])
+        root.append(None)
         hook.remove()
-        out.update(enabled=engine.gather_once, gathered_during=seen,
+        root_hook.remove()
+        out.update(enabled=engine.gather_once, gathered_during=seen, root_kept=root,
                    sharded_after=all(isinstance(p, DTensor) for p in engine.model.parameters()),
                    weights={n: t.clone() for n, t in engine.named_full_tensors()})
         runs["once" if once else "per_layer"] = out
@@ -296,6 +304,20 @@ def test_gather_once_on_one_rank_shards_equals_per_layer_gathers(folder: str, ba
     micro = len(batch) // MICRO
     assert once["gathered_during"] == [True] * len(once["gathered_during"]), "layer 0 was resharded mid-pass"
     assert per_layer["gathered_during"] == [False] * len(per_layer["gathered_during"]) and len(per_layer["gathered_during"]) >= 3 * micro
+    # per pass: the first micro-batch gathers the root, the others find it gathered (none with per-layer gathers)
+    def passes(seen: list) -> list[list[bool]]:
+        out, cur = [], []
+        for x in seen:
+            if x is None:
+                out.append(cur)
+                cur = []
+            else:
+                cur.append(x)
+        return out
+
+    assert len(passes(once["root_kept"])) == 5 and all(len(p) >= 2 for p in passes(once["root_kept"]))
+    assert all(p[0] is False and all(p[1:]) for p in passes(once["root_kept"])), once["root_kept"]
+    assert not any(x for p in passes(per_layer["root_kept"]) for x in p)
     assert once["sharded_after"] and per_layer["sharded_after"], "a pass must end with every module resharded"
     assert once["grad_norm"] == per_layer["grad_norm"]
     for a, b in zip(once["logprobs"], per_layer["logprobs"]):

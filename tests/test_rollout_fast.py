@@ -114,12 +114,20 @@ def test_greedy_equals_hf_loop_with_padding_buckets_and_compaction(root: Path, p
         assert fast_engine._fast._graphs  # the decode step ran as CUDA graphs
 
 
-def test_compiled_decode_layers_equal_the_eager_ones(root: Path, prompts) -> None:
+def test_compiled_decode_layers_equal_the_eager_ones(root: Path, prompts, monkeypatch) -> None:
     """``compile_decode`` (the CUDA default) runs the decode step's layer halves through torch.compile;
     on CPU inductor's C++ backend compiles the same functions. Greedy with EOS and compaction, and
     seeded top-k / top-p sampling, give the eager step's tokens, and its log-probs in fp32 rounding."""
     folder = build(root, "qwen2-gqa-untied")
     eos = early_eos(responses(greedy(engine(folder, fast=False), prompts)))
+    runs: list[str] = []  # names of the compiled functions, once per call of their compiled code
+    real_compile = torch.compile
+
+    def counting_compile(fn, **kwargs):
+        compiled = real_compile(fn, **kwargs)
+        return lambda *args: runs.append(fn.__name__) or compiled(*args)
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
     outs = {}
     for compiled in (False, True):
         e = NativeRollout(folder, device=torch.device("cpu"), dtype=torch.float32, batch_size=4, pad_token_id=0,
@@ -127,6 +135,10 @@ def test_compiled_decode_layers_equal_the_eager_ones(root: Path, prompts) -> Non
         assert e._fast.compile_layers is compiled
         sampled = e.generate(prompts, n=2, temperature=0.9, top_p=0.8, top_k=15, max_new_tokens=16, seed=5)
         outs[compiled] = (greedy(e, prompts), sampled, e._fast.compactions)
+        layers = len(e._fast.layers)
+        if not compiled:
+            assert runs == []
+    assert runs.count("attn_in") == runs.count("attn_out") >= layers * 2 * 15  # every decode step, every layer
     assert outs[True][2] > 0 and outs[True][2] == outs[False][2]
     assert_same(outs[True][0], outs[False][0])
     assert_same(outs[True][1], outs[False][1])

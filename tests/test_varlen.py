@@ -10,6 +10,8 @@ log-probs, gradient norm and updated weights of the CPU path (one chunk, dense m
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,7 +108,7 @@ def test_engine_flash_layout_and_chunked_head_match_the_cpu_path() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not ulysses.flash_varlen_available(),
                     reason="torch's flash varlen kernel runs on CUDA only")
-def test_flash_kernel_equals_the_dense_mask_on_gpu() -> None:
+def test_flash_kernel_equals_the_dense_mask_on_cuda() -> None:
     """The real kernel (bf16, GQA, packed runs and padding) against SDPA with the dense mask, in
     the forward and in the gradients of q, k and v."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -129,7 +131,7 @@ def test_flash_kernel_equals_the_dense_mask_on_gpu() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not ulysses.flash_varlen_available(),
                     reason="torch's flash varlen kernel runs on CUDA only")
-def test_grouped_flash_varlen_equals_repeated_kv_on_gpu() -> None:
+def test_grouped_flash_varlen_equals_repeated_kv_on_cuda() -> None:
     """Grouped-query flash without repeating k/v (aten's flash ops, as torch releases without
     ``enable_gqa`` need) equals the kernel on repeated k/v: outputs, dq, and dk/dv summed per group."""
     from torch.nn.attention.varlen import varlen_attn

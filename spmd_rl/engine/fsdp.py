@@ -326,23 +326,25 @@ class FSDPEngine:
         """One pass over micro-batches; with :attr:`gather_once`, the parameters are gathered once.
 
         Where a shard spans one rank, FSDP2's all-gather is a cast and a copy per parameter (about
-        2,000 small kernels per 1.5B step of three micro-batches, forward and backward) that frees
-        nothing. So the layers keep their gathered bf16 parameters after forward and after backward
-        until the pass ends, when every module reshards: the optimizer step then updates the fp32
-        shards and the next pass gathers the new values. Gradient reduction is unchanged
-        (:meth:`_gradient_sync`)."""
+        3,400 small kernels per 1.5B step of three micro-batches, forward and backward) that frees
+        nothing. So the layers and the root (embeddings, final norm, head) keep their gathered bf16
+        parameters after forward and after backward until the pass ends, when every module
+        reshards: the optimizer step then updates the fp32 shards and the next pass gathers the new
+        values. Gradient reduction is unchanged (:meth:`_gradient_sync`). The NaN replay runs after
+        the pass, with FSDP's per-layer gathers."""
         if not self.gather_once:
             yield
             return
-        layers = [m for m in _decoder_layers(self.model) if isinstance(m, FSDPModule)]
-        for layer in layers:  # the root keeps FSDP's own choice (it never reshards after forward)
-            layer.set_reshard_after_forward(False, recurse=False)
+        # the layers and the root (embeddings, final norm, head), each without recursing
+        units = [m for m in _decoder_layers(self.model) if isinstance(m, FSDPModule)] + [self.model]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
         self.model.set_reshard_after_backward(False)
         try:
             yield
         finally:
-            for layer in layers:
-                layer.set_reshard_after_forward(self._reshard_after_forward, recurse=False)
+            for unit in units:
+                unit.set_reshard_after_forward(self._reshard_after_forward, recurse=False)
             self.model.set_reshard_after_backward(True)
             for module in self.model.modules():
                 if isinstance(module, FSDPModule):

@@ -57,7 +57,7 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # SDPA kernels the path may use: masked attention runs the memory-efficient kernel on CUDA (flash takes
 # no mask) and the fused CPU kernel on CPU; a known, graph-capturable choice on every torch version.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# hidden_act -> the function the layer code applies to the gate (what HF's ACT2FN gives for these names)
+# hidden_act -> a plain function equal to what HF's ACT2FN gives for that name (others use the layer's act_fn)
 _ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
                 "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
 _DECODE = CompileGroup("the rollout's compiled decode layers")  # CUDA; eager layer code if compiling fails
@@ -91,6 +91,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
                 return f"layer {i} MLP has no {name} (not a gated Llama / Qwen2 / Mistral MLP)"
         if mlp.gate_proj.out_features != mlp.up_proj.out_features:
             return f"layer {i} MLP has gate and up projections of different widths"
+        if mlp.up_proj.out_features != inner.layers[0].mlp.up_proj.out_features:
+            return f"layer {i} MLP is {mlp.up_proj.out_features} wide, layer 0's {inner.layers[0].mlp.up_proj.out_features}"
         for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
             if not all(isinstance(m, torch.nn.Linear) for m in group):
                 return f"layer {i} has projections that are not nn.Linear"
@@ -101,9 +103,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
                 return f"layer {i} {name} is not an RMSNorm with variance_epsilon"
     if not hasattr(inner.norm, "variance_epsilon"):
         return "model.norm is not an RMSNorm with variance_epsilon"
-    act = getattr(config, "hidden_act", None)
-    if act not in _ACTIVATIONS:
-        return f"hidden_act {act!r} is not one of {tuple(_ACTIVATIONS)}"
     return None
 
 
@@ -113,7 +112,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-def layer_functions(*, qk_heads: int, head_dim: int, intermediate: int, act: str) -> tuple[Callable, Callable]:
+def layer_functions(*, qk_heads: int, head_dim: int, intermediate: int,
+                    act: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Callable, Callable]:
     """The two halves of a decoder layer around attention, for one model's constants, as pure functions
     (compiled as they are, or run eagerly):
 
@@ -122,7 +122,7 @@ def layer_functions(*, qk_heads: int, head_dim: int, intermediate: int, act: str
     * ``attn_out(x, o, o_w, o_b, norm, eps, gate_up_w, gate_up_b, down_w, down_b) -> x``: o_proj and the
       residual, RMSNorm, the fused gate/up GEMM, the activation times up, down_proj and the residual.
     """
-    split, activation = qk_heads * head_dim, _ACTIVATIONS[act]
+    split, activation = qk_heads * head_dim, act
 
     def attn_in(x, norm, eps, w, b, cos, signed_sin):
         qkv = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps=eps), w, b)
@@ -208,8 +208,10 @@ class FastDecoder:
         self.qkv = [Fused((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)) for l in self.layers]
         self.gate_up = [Fused((l.mlp.gate_proj, l.mlp.up_proj)) for l in self.layers]
         self.fused: list[Fused] = self.qkv + self.gate_up
+        # the function for the config's hidden_act (the same one every layer's act_fn applies), else that module
+        act = _ACTIVATIONS.get(getattr(config, "hidden_act", None)) or self.layers[0].mlp.act_fn
         self.attn_in, self.attn_out = layer_functions(
-            qk_heads=self.heads + self.kv_heads, head_dim=self.head_dim, act=config.hidden_act,
+            qk_heads=self.heads + self.kv_heads, head_dim=self.head_dim, act=act,
             intermediate=self.layers[0].mlp.up_proj.out_features)
         self.compile_layers = compile_layers
         # the decode step's halves: compiled (dynamic in the rows, so one artifact for every bucket) or not
