@@ -32,7 +32,7 @@ class FsdpConfig:
     """`torch.compile` every decoder layer of the actor and reference models (in place: parameter
     names and checkpoints unchanged). Fuses the norms, RoPE and SwiGLU: on one H200 the Qwen2-1.5B
     update went from 33.6 % to 40.9 % MFU and 89 to 73 GiB peak, a Qwen2-0.5B GRPO step from 1.04 to
-    0.84 s (docs/PERF.md); the first steps pay the compilation (tens of seconds), and a CPU run needs
+    0.80 s (docs/PERF.md); the first steps pay the compilation (tens of seconds), and a CPU run needs
     a C++ compiler."""
 
     def __post_init__(self) -> None:
