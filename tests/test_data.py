@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from spmd_rl.config import DataConfig
 from spmd_rl.data import PromptSampler, Sample, build_prompts, columns_of, read_records, render_prompts
@@ -250,3 +251,16 @@ def test_render_real_gsm8k_prompts_counts() -> None:
     expect_dropped = sum(len(s.prompt) + overhead > 200 for s in train)
     assert 0 < dropped == expect_dropped < len(train) and len(kept) == len(ids) == len(train) - dropped
     assert all(len(r) <= 200 for r in ids)
+
+
+def test_model_inputs_left_pad_prompts_and_right_pad_responses() -> None:
+    from spmd_rl.data.batch import RolloutBatch
+
+    batch = RolloutBatch(prompts=[[5, 6, 7], [8], []], tensors={
+        "response_ids": torch.tensor([[11, 12], [13, 0], [14, 15]]),
+        "response_mask": torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])})
+    inputs = batch.model_inputs(pad_token_id=0)
+    assert inputs.prompt_width == 3 and inputs.response_len == 2
+    assert inputs.input_ids.tolist() == [[5, 6, 7, 11, 12], [0, 0, 8, 13, 0], [0, 0, 0, 14, 15]]
+    assert inputs.attention_mask.tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+    assert inputs.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 1], [0, 0, 0, 0, 1]]

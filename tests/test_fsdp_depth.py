@@ -363,6 +363,45 @@ def test_packed_layout_restarts_positions_and_predicts_every_response_token(batc
         assert flat.position_ids[r[0], start] == 0 and flat.position_ids[r[0], int(c[-1]) + 1] == len(micro.prompts[b]) + n - 1
 
 
+def _packed_by_sequence(micro: RolloutBatch, pad: int, multiple: int) -> dict[str, torch.Tensor]:
+    """The packed layout written one sequence at a time (the test's oracle for the vectorised one)."""
+    resp = micro["response_mask"].sum(1).long().tolist()
+    lengths = [len(p) + n for p, n in zip(micro.prompts, resp)]
+    width = -(-max(lengths) // multiple) * multiple
+    bins = packing.first_fit_decreasing(lengths, width)
+    rows, t = micro["response_ids"].shape
+    out = {"input_ids": torch.full((len(bins), width), pad), "position_ids": torch.zeros(len(bins), width, dtype=torch.long),
+           "segment_ids": torch.full((len(bins), width), -1), "target_rows": torch.zeros(rows, t, dtype=torch.long),
+           "target_cols": torch.zeros(rows, t, dtype=torch.long)}
+    for r, members in enumerate(bins):
+        col = 0
+        for s, i in enumerate(members):
+            p, n = len(micro.prompts[i]), resp[i]
+            out["input_ids"][r, col:col + p + n] = torch.tensor(micro.prompts[i] + micro["response_ids"][i, :n].tolist())
+            out["position_ids"][r, col:col + p + n] = torch.arange(p + n)
+            out["segment_ids"][r, col:col + p + n] = s
+            out["target_rows"][i, :n] = r
+            out["target_cols"][i, :n] = torch.arange(n) + col + p - 1
+            col += p + n
+    return out
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_packed_layout_equals_the_sequence_by_sequence_layout(batch: RolloutBatch, multiple: int) -> None:
+    g = torch.Generator().manual_seed(multiple)
+    rows = 40
+    prompts = [torch.randint(3, 100, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (rows,), generator=g)]
+    lengths = torch.randint(0, 17, (rows,), generator=g)  # a response may be empty
+    mask = (torch.arange(16)[None] < lengths[:, None]).float()
+    micro = RolloutBatch(prompts=prompts, tensors={"response_ids": torch.randint(3, 100, (rows, 16), generator=g) * mask.long(),
+                                                   "response_mask": mask})
+    for m in (micro, batch):
+        flat = packing.flatten(m, pad_token_id=PAD, packed=True, multiple=multiple)
+        for name, want in _packed_by_sequence(m, PAD, multiple).items():
+            assert torch.equal(getattr(flat, name), want), name
+        assert torch.equal(flat.labels[:, :-1], flat.input_ids[:, 1:])
+
+
 def test_balanced_partition_and_budget() -> None:
     lengths = [25, 4, 9, 17, 12, 6, 20, 3]
     groups = packing.balanced_partition(lengths, 3)

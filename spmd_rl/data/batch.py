@@ -112,11 +112,11 @@ class RolloutBatch:
         response_mask = self.tensors["response_mask"]
         rows, t = response_ids.shape
         width = max(len(p) for p in self.prompts)
+        lengths = torch.tensor([len(p) for p in self.prompts], dtype=torch.long)
+        prompt_mask = (torch.arange(width)[None, :] >= (width - lengths)[:, None]).long()
         prompt_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros((rows, width), dtype=torch.long)
-        for i, p in enumerate(self.prompts):
-            prompt_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            prompt_mask[i, width - len(p):] = 1
+        # the mask's ones, row by row, are each prompt's columns in order: one scatter for the batch
+        prompt_ids[prompt_mask.bool()] = torch.tensor([tok for p in self.prompts for tok in p], dtype=torch.long)
         input_ids = torch.cat([prompt_ids, response_ids.cpu().long()], dim=1)
         attention_mask = torch.cat([prompt_mask, response_mask.cpu().long()], dim=1)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)

@@ -107,22 +107,37 @@ def _packed(micro: RolloutBatch, pad_token_id: int, multiple: int) -> FlatBatch:
     lengths = [p + r for p, r in zip(prompt_lens, resp_lens)]
     width = _round_up(max(lengths), multiple)
     bins = first_fit_decreasing(lengths, width)
-    ids = torch.full((len(bins), width), pad_token_id, dtype=torch.long)
-    pos = torch.zeros((len(bins), width), dtype=torch.long)
-    seg = torch.full((len(bins), width), -1, dtype=torch.long)
-    target_rows = torch.zeros((rows, t), dtype=torch.long)
-    target_cols = torch.zeros((rows, t), dtype=torch.long)
+    bin_of, slot, offset = [0] * rows, [0] * rows, [0] * rows  # each sequence's grid row, index in it, start column
     for r, members in enumerate(bins):
-        offset = 0
+        col = 0
         for s, i in enumerate(members):
-            p, n = prompt_lens[i], resp_lens[i]
-            ids[r, offset:offset + p] = torch.tensor(micro.prompts[i], dtype=torch.long)
-            ids[r, offset + p:offset + p + n] = response_ids[i, :n]
-            pos[r, offset:offset + p + n] = torch.arange(p + n)
-            seg[r, offset:offset + p + n] = s
-            target_rows[i, :n] = r
-            target_cols[i, :n] = torch.arange(n) + offset + p - 1
-            offset += p + n
+            bin_of[i], slot[i], offset[i] = r, s, col
+            col += lengths[i]
+    # Whole-batch index arithmetic (a few tensor ops, not a handful per sequence): every real token's
+    # place in the flattened grid, prompt tokens and valid response tokens (a prefix of each row) apart.
+    b, s_, o = (torch.tensor(x, dtype=torch.long) for x in (bin_of, slot, offset))
+    p, n = torch.tensor(prompt_lens, dtype=torch.long), torch.tensor(resp_lens, dtype=torch.long)
+    start = b * width + o  # flat index of each sequence's first token
+
+    def spread(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (sequence, index inside) per token
+        seq = torch.repeat_interleave(torch.arange(rows), counts)
+        return seq, torch.arange(len(seq)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+
+    p_seq, p_at = spread(p)
+    r_seq, r_at = spread(n)
+    p_dst, r_dst = start[p_seq] + p_at, start[r_seq] + p[r_seq] + r_at
+    ids = torch.full((len(bins) * width,), pad_token_id, dtype=torch.long)
+    pos = torch.zeros(len(bins) * width, dtype=torch.long)
+    seg = torch.full((len(bins) * width,), -1, dtype=torch.long)
+    ids[p_dst] = torch.tensor([tok for prompt in micro.prompts for tok in prompt], dtype=torch.long)
+    ids[r_dst] = response_ids.long()[mask.bool()]
+    pos[p_dst], pos[r_dst] = p_at, p[r_seq] + r_at
+    seg[p_dst], seg[r_dst] = s_[p_seq], s_[r_seq]
+    ids, pos, seg = (x.view(len(bins), width) for x in (ids, pos, seg))
+    j = torch.arange(t)[None]
+    valid = j < n[:, None]  # position o + p - 1 + j predicts response token j
+    target_rows = torch.where(valid, b[:, None], 0)
+    target_cols = torch.where(valid, j + (o + p - 1)[:, None], 0)
     return FlatBatch(input_ids=ids, position_ids=pos, segment_ids=seg, labels=_labels(ids, pad_token_id),
                      target_rows=target_rows, target_cols=target_cols, packed=True)
 
