@@ -42,7 +42,8 @@ from transformers import DynamicCache
 from ..compiled import triton_available
 from ..models import load_causal_lm
 from .base import GenerationOutput, check_sampling_args
-from .fast import FastDecoder, Fused, unsupported_reason
+from .fast import FastDecoder
+from .layers import Fused, unsupported_reason
 from .sampling import filter_logits, sample_next
 
 log = logging.getLogger("spmd_rl")
