@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 from spmd_rl.config import load_config
 from spmd_rl.dist.plan import plan
@@ -19,6 +20,9 @@ from spmd_rl.dist.env import DistEnv
 from spmd_rl.metrics import setup_logging
 
 log = logging.getLogger("spmd_rl")
+
+REPORT_GRACE_S = 3.0
+"""How long a rank other than 0 waits before reporting a configuration error itself (see main)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,8 +35,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"pools.reward_ranks={cfg.pools.reward_ranks} makes a reward pool, but reward.model.path "
                              "is not set, so it would serve nothing: set --reward.model.path or --pools.reward_ranks 0")
     except (ValueError, FileNotFoundError) as e:
-        if env.is_main:
-            print(f"spmd_rl.train: invalid configuration: {e}", file=sys.stderr)
+        # Every rank finds the same error. Rank 0 reports it at once; the others wait, so that none of
+        # them exits first and has torchrun stop rank 0 before it printed (then torchrun stops them
+        # while they wait). A rank still alive after the wait (rank 0 slower, or srun) reports it too.
+        if not env.is_main:
+            time.sleep(REPORT_GRACE_S)
+        where = "" if env.is_main else f" (rank {env.rank})"
+        print(f"spmd_rl.train: invalid configuration{where}: {e}", file=sys.stderr, flush=True)
         return 2
     env.init(device=cfg.trainer.device, timeout_s=cfg.trainer.dist_timeout_s)
     from spmd_rl.dist.world import build_run_groups

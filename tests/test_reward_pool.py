@@ -214,8 +214,18 @@ def test_config_rules_and_entry_point_check(monkeypatch: pytest.MonkeyPatch, cap
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main(["--pools.reward-ranks", "1", "--data.train-batch-size", "2", "--actor.ppo-mini-batch-size", "2"]) == 2
+    flags = ["--pools.reward-ranks", "1", "--data.train-batch-size", "2", "--actor.ppo-mini-batch-size", "2"]
+    assert main(flags) == 2
     assert "pools.reward_ranks=1 makes a reward pool, but reward.model.path is not set" in capsys.readouterr().err
+    # another rank waits first (so that torchrun cannot stop rank 0 before it reports), then reports too
+    import spmd_rl.train as train_module
+
+    waits: list[float] = []
+    monkeypatch.setattr(train_module.time, "sleep", waits.append)
+    monkeypatch.setenv("RANK", "1")
+    assert main(flags) == 2
+    assert waits == [train_module.REPORT_GRACE_S]
+    assert "invalid configuration (rank 1): pools.reward_ranks=1 makes a reward pool" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the real entry point
