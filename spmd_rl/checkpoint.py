@@ -32,39 +32,32 @@ refused. Non-tensor values inside DCP are read back with ``torch.load(weights_on
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import os
-import random
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
+from spmd_rl.checkpoint_files import (  # noqa: F401 (re-exported: the names users of this module import)
+    CHECKPOINTS, FORMAT_VERSION, LATEST, MARKER, STEP_PREFIX, TMP_PREFIX, SafeEmptyLoadPlanner, SafeLoadPlanner,
+    describe_differences, folder_bytes, fsync_dir, is_complete, latest_checkpoint, list_checkpoints,
+    load_without_process_group, read_meta, resolve_checkpoint, rng_state, set_rng_state, step_of, truncate_metrics,
+    write_atomic, write_file,
+)
 from spmd_rl.config import CheckpointConfig
 from spmd_rl.dist.comm import broadcast_object, fail_together
 
 log = logging.getLogger("spmd_rl")
-
-FORMAT_VERSION = 1
-CHECKPOINTS = "checkpoints"
-LATEST = "latest"
-MARKER = "COMPLETE"
-TMP_PREFIX = ".tmp-"
-STEP_PREFIX = "step_"
 # Weight files are not copied into a checkpoint's hf/ folder: the checkpoint holds the weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 _NOT_COPIED = {"model.safetensors.index.json", "pytorch_model.bin.index.json", ".spmd_rl_complete"}
-# Config keys whose change on resume is expected and not worth a log line.
-_QUIET_KEYS = ("checkpoint.", "trainer.output_dir", "trainer.total_steps", "logging.")
 
 
 class Stateful(Protocol):
@@ -75,239 +68,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-# --------------------------------------------------------------------------- finding checkpoints
-
-
-def step_of(folder: str | os.PathLike) -> int | None:
-    """``N`` for a folder named ``step_N``, else None."""
-    name = Path(folder).name
-    if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
-        return int(name[len(STEP_PREFIX):])
-    return None
-
-
-def is_complete(folder: str | os.PathLike) -> bool:
-    """A published checkpoint: named ``step_N``, holding the completion marker and its metadata."""
-    folder = Path(folder)
-    return step_of(folder) is not None and (folder / MARKER).is_file() and (folder / "meta.json").is_file()
-
-
-def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under ``root`` (a ``checkpoints`` folder), oldest step first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: step_of(p))  # type: ignore[arg-type, return-value]
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The checkpoint ``resume: auto`` continues from: the ``latest`` pointer when it names a
-    complete checkpoint, else the complete checkpoint with the highest step, else None."""
-    root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if target.name and is_complete(target):
-            return target
-    complete = list_checkpoints(root)
-    return complete[-1] if complete else None
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint folder from a user path: a ``step_N`` folder, a ``checkpoints`` folder or a run
-    folder (its newest complete checkpoint). Raises ``FileNotFoundError`` saying what was found."""
-    path = Path(path).expanduser()
-    if is_complete(path):
-        return path.resolve()
-    if step_of(path) is not None and path.is_dir():
-        raise FileNotFoundError(f"{path} is an incomplete checkpoint (no {MARKER} marker): its save was "
-                                "interrupted; use an earlier step_N folder")
-    for root in (path, path / CHECKPOINTS):
-        found = latest_checkpoint(root)
-        if found is not None:
-            return found.resolve()
-    raise FileNotFoundError(f"{path}: no complete checkpoint there (looked for {STEP_PREFIX}N folders with a "
-                            f"{MARKER} marker in it and in {path / CHECKPOINTS})")
-
-
-def read_meta(folder: str | os.PathLike) -> dict[str, Any]:
-    with open(Path(folder) / "meta.json") as f:
-        return json.load(f)
-
-
-# --------------------------------------------------------------------------- safe DCP loading
-
-
-class _WeightsOnlyBytes:
-    """Non-tensor DCP entries (optimizer hyper-parameters, scheduler and sampler states) are read
-    with ``torch.load(weights_only=True)``: plain containers and numbers only, no arbitrary pickle."""
-
-    def load_bytes(self, read_item, value) -> None:  # type: ignore[no-untyped-def]
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:  # type: ignore[attr-defined]
-            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)  # type: ignore[attr-defined]
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj  # type: ignore[attr-defined]
-
-
-class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
-    """DCP's default load planner with weights-only reading of non-tensor values."""
-
-
-class SafeEmptyLoadPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
-    """Rebuilds (a subset of) a saved state dict from the metadata alone, without a model."""
-
-
-def load_without_process_group(folder: str | os.PathLike, prefixes: list[str] | None = None) -> dict[str, Any]:
-    """Read a DCP checkpoint in one process, no process group needed: the nested state dict,
-    restricted to entries under the given dotted ``prefixes`` (e.g. ``["actor.model"]``).
-
-    Tensors come back whole (every rank's shard stitched together) on the CPU.
-    """
-    from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: PLC0415
-
-    state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(str(folder)),
-                     planner=SafeEmptyLoadPlanner(keys=set(prefixes) if prefixes else None), no_dist=True)
-    return state
-
-
-# --------------------------------------------------------------------------- RNG states
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
-
-
-def rng_state(device: torch.device | None = None) -> dict[str, Any]:
-    """This process's RNG states as JSON-able data: Python, NumPy, torch CPU and (when used) CUDA."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    state: dict[str, Any] = {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "torch": _b64(torch.get_rng_state()),
-        "cuda": None,
-    }
-    if device is not None and device.type == "cuda":
-        state["cuda"] = _b64(torch.cuda.get_rng_state(device))
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(_unb64(state["torch"]))
-    if state.get("cuda") and device is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(_unb64(state["cuda"]), device)
-
-
-# --------------------------------------------------------------------------- small file helpers
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so readers see the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    _write_file(tmp, text)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
-def truncate_metrics(path: str | os.PathLike, keep_through_step: int) -> int:
-    """Drop lines of a ``metrics.jsonl`` whose step is after ``keep_through_step`` (all lines when
-    starting fresh, i.e. ``-1``), so a resumed run does not log a step twice. Returns lines dropped."""
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    kept, dropped = [], 0
-    with open(path) as f:
-        for line in f:
-            try:
-                step = int(json.loads(line).get("step", 0))
-            except (ValueError, AttributeError):
-                dropped += 1  # a line cut short by a kill
-                continue
-            if step <= keep_through_step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-            else:
-                dropped += 1
-    if dropped:
-        write_atomic(path, "".join(kept))
-    return dropped
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def describe_differences(saved_meta: dict[str, Any], saved_config: dict[str, Any] | None,
-                         rank_table: list[dict[str, Any]], config: dict[str, Any] | None) -> list[str]:
-    """Human-readable differences between the saving run and this one (world, hosts, devices, config)."""
-    out = []
-    old_rows = saved_meta.get("rank_table") or []
-    if len(old_rows) != len(rank_table):
-        out.append(f"world size {len(old_rows)} -> {len(rank_table)}")
-    old_hosts = sorted({str(r.get("host")) for r in old_rows})
-    new_hosts = sorted({str(r.get("host")) for r in rank_table})
-    if old_hosts != new_hosts:
-        out.append(f"hosts {old_hosts} -> {new_hosts}")
-    old_dev = sorted({str(r.get("device")).split(":")[0] for r in old_rows})
-    new_dev = sorted({str(r.get("device")).split(":")[0] for r in rank_table})
-    if old_dev != new_dev:
-        out.append(f"devices {old_dev} -> {new_dev}")
-    if saved_config is not None and config is not None:
-        old, new = _flat(saved_config), _flat(config)
-        for key in sorted(set(old) | set(new)):
-            if key.startswith(_QUIET_KEYS) or old.get(key) == new.get(key):
-                continue
-            out.append(f"{key} {old.get(key)!r} -> {new.get(key)!r}")
-    return out
-
-
-# --------------------------------------------------------------------------- the checkpointer
 
 
 class Checkpointer:
@@ -438,7 +198,7 @@ class Checkpointer:
         states = {n: comp.state_dict() for n, comp in self.components.items()}
         dcp.save(states, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.group)
         with fail_together(group=self.group, what=f"checkpoint save ({tmp})"):
-            _write_file(tmp / "rng" / f"rank_{self.rank}.json", json.dumps(rng_state(self.device)))
+            write_file(tmp / "rng" / f"rank_{self.rank}.json", json.dumps(rng_state(self.device)))
             if self.is_coordinator:
                 self._write_rank0_files(tmp, step)
         # Every rank finished writing (fail_together is a barrier): publish.
@@ -448,7 +208,7 @@ class Checkpointer:
         self._last_saved = step
         if self.is_coordinator:
             final = self.root / name
-            log.info(f"saved checkpoint {final} ({_folder_bytes(final) / 2**20:.1f} MiB) in "
+            log.info(f"saved checkpoint {final} ({folder_bytes(final) / 2**20:.1f} MiB) in "
                      f"{time.perf_counter() - start:.2f} s")
         return self.root / name
 
@@ -463,9 +223,9 @@ class Checkpointer:
             "model_folder": self.model_folder,
             "torch_version": torch.__version__,
         }
-        _write_file(tmp / "meta.json", json.dumps(meta, indent=1, default=str) + "\n")
+        write_file(tmp / "meta.json", json.dumps(meta, indent=1, default=str) + "\n")
         if self.config is not None:
-            _write_file(tmp / "config.yaml", yaml.safe_dump(self.config, sort_keys=False))
+            write_file(tmp / "config.yaml", yaml.safe_dump(self.config, sort_keys=False))
         if self.model_folder is not None:
             hf = tmp / "hf"
             hf.mkdir()
@@ -474,8 +234,8 @@ class Checkpointer:
                     shutil.copy2(item, hf / item.name)
 
     def _publish(self, tmp: Path, name: str) -> None:
-        _write_file(tmp / MARKER, json.dumps({"step": step_of(name)}) + "\n")
-        _fsync_dir(tmp)
+        write_file(tmp / MARKER, json.dumps({"step": step_of(name)}) + "\n")
+        fsync_dir(tmp)
         final = self.root / name
         if final.exists():  # a run started with resume=never, or a re-save of the same step
             trash = self.root / f"{TMP_PREFIX}old-{name}"
@@ -485,7 +245,7 @@ class Checkpointer:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         write_atomic(self.root / LATEST, name + "\n")
         self._prune(step_of(name))  # type: ignore[arg-type]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from spmd_rl.checkpoint import load_without_process_group, read_meta, resolve_checkpoint
+from spmd_rl.checkpoint_files import load_without_process_group, read_meta, resolve_checkpoint
 
 MODEL_KEY = "actor.model"
 HF_COPY_KEY = "actor.hf"

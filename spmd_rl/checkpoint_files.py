@@ -1,0 +1,272 @@
+"""Checkpoint folders on disk: find them, read them without a process group, write files atomically.
+
+The layout is described in :mod:`spmd_rl.checkpoint`, whose ``Checkpointer`` saves and resumes with
+these helpers; ``python -m spmd_rl.export`` reads checkpoints with them alone.
+
+* finding: :func:`step_of`, :func:`is_complete`, :func:`list_checkpoints`, :func:`latest_checkpoint`,
+  :func:`resolve_checkpoint` (a run folder, its ``checkpoints/`` or one ``step_N``), :func:`read_meta`;
+* reading without a process group: :func:`load_without_process_group` (DCP with planners that read
+  non-tensor values with ``torch.load(weights_only=True)``);
+* writing: :func:`write_atomic` (temp file, fsync, ``os.replace``), :func:`truncate_metrics` (a
+  resumed run's ``metrics.jsonl`` cut back to the checkpoint's step);
+* every RNG a rank uses as JSON: :func:`rng_state`, :func:`set_rng_state`;
+* :func:`describe_differences`: what changed between the saving and the resuming run.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+FORMAT_VERSION = 1
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+MARKER = "COMPLETE"
+TMP_PREFIX = ".tmp-"
+STEP_PREFIX = "step_"
+# Config keys whose change on resume is expected and not worth a log line.
+_QUIET_KEYS = ("checkpoint.", "trainer.output_dir", "trainer.total_steps", "logging.")
+
+
+# --------------------------------------------------------------------------- finding checkpoints
+
+
+def step_of(folder: str | os.PathLike) -> int | None:
+    """``N`` for a folder named ``step_N``, else None."""
+    name = Path(folder).name
+    if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX):].isdigit():
+        return int(name[len(STEP_PREFIX):])
+    return None
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    """A published checkpoint: named ``step_N``, holding the completion marker and its metadata."""
+    folder = Path(folder)
+    return step_of(folder) is not None and (folder / MARKER).is_file() and (folder / "meta.json").is_file()
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``root`` (a ``checkpoints`` folder), oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: step_of(p))  # type: ignore[arg-type, return-value]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The checkpoint ``resume: auto`` continues from: the ``latest`` pointer when it names a
+    complete checkpoint, else the complete checkpoint with the highest step, else None."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if target.name and is_complete(target):
+            return target
+    complete = list_checkpoints(root)
+    return complete[-1] if complete else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder from a user path: a ``step_N`` folder, a ``checkpoints`` folder or a run
+    folder (its newest complete checkpoint). Raises ``FileNotFoundError`` saying what was found."""
+    path = Path(path).expanduser()
+    if is_complete(path):
+        return path.resolve()
+    if step_of(path) is not None and path.is_dir():
+        raise FileNotFoundError(f"{path} is an incomplete checkpoint (no {MARKER} marker): its save was "
+                                "interrupted; use an earlier step_N folder")
+    for root in (path, path / CHECKPOINTS):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found.resolve()
+    raise FileNotFoundError(f"{path}: no complete checkpoint there (looked for {STEP_PREFIX}N folders with a "
+                            f"{MARKER} marker in it and in {path / CHECKPOINTS})")
+
+
+def read_meta(folder: str | os.PathLike) -> dict[str, Any]:
+    with open(Path(folder) / "meta.json") as f:
+        return json.load(f)
+
+
+# --------------------------------------------------------------------------- safe DCP loading
+
+
+class _WeightsOnlyBytes:
+    """Non-tensor DCP entries (optimizer hyper-parameters, scheduler and sampler states) are read
+    with ``torch.load(weights_only=True)``: plain containers and numbers only, no arbitrary pickle."""
+
+    def load_bytes(self, read_item, value) -> None:  # type: ignore[no-untyped-def]
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:  # type: ignore[attr-defined]
+            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)  # type: ignore[attr-defined]
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj  # type: ignore[attr-defined]
+
+
+class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
+    """DCP's default load planner with weights-only reading of non-tensor values."""
+
+
+class SafeEmptyLoadPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    """Rebuilds (a subset of) a saved state dict from the metadata alone, without a model."""
+
+
+def load_without_process_group(folder: str | os.PathLike, prefixes: list[str] | None = None) -> dict[str, Any]:
+    """Read a DCP checkpoint in one process, no process group needed: the nested state dict,
+    restricted to entries under the given dotted ``prefixes`` (e.g. ``["actor.model"]``).
+
+    Tensors come back whole (every rank's shard stitched together) on the CPU.
+    """
+    from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # noqa: PLC0415
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(folder)),
+                     planner=SafeEmptyLoadPlanner(keys=set(prefixes) if prefixes else None), no_dist=True)
+    return state
+
+
+# --------------------------------------------------------------------------- RNG states
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's RNG states as JSON-able data: Python, NumPy, torch CPU and (when used) CUDA."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(torch.get_rng_state()),
+        "cuda": None,
+    }
+    if device is not None and device.type == "cuda":
+        state["cuda"] = _b64(torch.cuda.get_rng_state(device))
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if state.get("cuda") and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(_unb64(state["cuda"]), device)
+
+
+# --------------------------------------------------------------------------- small file helpers
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_file(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write_file(tmp, text)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def truncate_metrics(path: str | os.PathLike, keep_through_step: int) -> int:
+    """Drop lines of a ``metrics.jsonl`` whose step is after ``keep_through_step`` (all lines when
+    starting fresh, i.e. ``-1``), so a resumed run does not log a step twice. Returns lines dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                step = int(json.loads(line).get("step", 0))
+            except (ValueError, AttributeError):
+                dropped += 1  # a line cut short by a kill
+                continue
+            if step <= keep_through_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        write_atomic(path, "".join(kept))
+    return dropped
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def describe_differences(saved_meta: dict[str, Any], saved_config: dict[str, Any] | None,
+                         rank_table: list[dict[str, Any]], config: dict[str, Any] | None) -> list[str]:
+    """Human-readable differences between the saving run and this one (world, hosts, devices, config)."""
+    out = []
+    old_rows = saved_meta.get("rank_table") or []
+    if len(old_rows) != len(rank_table):
+        out.append(f"world size {len(old_rows)} -> {len(rank_table)}")
+    old_hosts = sorted({str(r.get("host")) for r in old_rows})
+    new_hosts = sorted({str(r.get("host")) for r in rank_table})
+    if old_hosts != new_hosts:
+        out.append(f"hosts {old_hosts} -> {new_hosts}")
+    old_dev = sorted({str(r.get("device")).split(":")[0] for r in old_rows})
+    new_dev = sorted({str(r.get("device")).split(":")[0] for r in rank_table})
+    if old_dev != new_dev:
+        out.append(f"devices {old_dev} -> {new_dev}")
+    if saved_config is not None and config is not None:
+        old, new = _flat(saved_config), _flat(config)
+        for key in sorted(set(old) | set(new)):
+            if key.startswith(_QUIET_KEYS) or old.get(key) == new.get(key):
+                continue
+            out.append(f"{key} {old.get(key)!r} -> {new.get(key)!r}")
+    return out
+
+
+__all__ = ["CHECKPOINTS", "FORMAT_VERSION", "LATEST", "MARKER", "STEP_PREFIX", "TMP_PREFIX", "SafeEmptyLoadPlanner",
+           "SafeLoadPlanner", "describe_differences", "is_complete", "latest_checkpoint", "list_checkpoints",
+           "load_without_process_group", "read_meta", "resolve_checkpoint", "rng_state", "set_rng_state", "step_of",
+           "truncate_metrics", "folder_bytes", "fsync_dir", "write_atomic", "write_file"]
