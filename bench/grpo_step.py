@@ -4,6 +4,8 @@
     python bench/grpo_step.py --shape tiny --prompts 2 --n 4 --prompt-len 16 --new-tokens 16 --steps 2 \
         --micro-batch-size 4 --device cpu         # CPU smoke run (TRL needs `pip install trl`; not a dependency)
     python bench/grpo_step.py --only ours         # without TRL
+    python bench/grpo_step.py --only ours --ours-compile --profile --ours-extra='--rollout.sleep-level 0'
+                                                  # compiled layers, cache kept, per-stage profile of the last step
 
 Both sides run in this process, one after the other, on the same random-weight model folder
 (``bench/shapes.py``: fp32 master weights, bf16 compute on GPU), the same prompts (``--prompts``

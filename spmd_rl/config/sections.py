@@ -367,5 +367,5 @@ class Config:
 __all__ = [
     "ActorConfig", "AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "FsdpConfig",
     "LoggingConfig", "MegatronConfig", "ModelConfig", "PoolsConfig", "RefConfig", "RewardConfig",
-    "RewardModelConfig", "RolloutConfig", "TrainerConfig", "validate",
+    "RewardModelConfig", "RolloutConfig", "TrainerConfig",
 ]
