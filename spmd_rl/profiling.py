@@ -75,6 +75,56 @@ def format_stage_times(stages: list[StageTime], *, top_of: tuple[str, ...] = ("u
     return "\n".join(lines)
 
 
+@dataclass
+class IdleGaps:
+    """Where the device idled inside a profiled window: the total, and the gaps grouped by what the host
+    was doing (the shortest CPU range spanning most of the gap) and by the kernel that ended them."""
+
+    window_ms: float
+    idle_ms: float
+    gaps: int
+    by_cause: list[tuple[str, str, float, int]] = field(default_factory=list)  # (host range, next kernel, ms, n)
+
+
+def idle_gaps(prof: torch.profiler.profile, *, min_us: float = 20.0, top: int = 10) -> IdleGaps:
+    """The device's idle time between its first and last kernel in ``prof`` (gaps shorter than ``min_us``
+    are launch latency and ignored), grouped by cause (see :class:`IdleGaps`)."""
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+                     and not e.name.startswith(STAGE_PREFIX) and "#" not in e.name)
+    if not kernels:
+        return IdleGaps(0.0, 0.0, 0)
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type == DeviceType.CPU and not e.name.startswith(("ProfilerStep", STAGE_PREFIX))]
+    gaps, busy_until = [], kernels[0][1]
+    for start, end, name in kernels[1:]:
+        if start - busy_until >= min_us:
+            gaps.append((busy_until, start, name))
+        busy_until = max(busy_until, end)
+    grouped: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for lo, hi, next_kernel in gaps:
+        spans = [(b - a, n) for a, b, n in host if min(b, hi) - max(a, lo) >= 0.5 * (hi - lo)]
+        ops = [sp for sp in spans if not sp[1].startswith("cuda")]  # runtime calls: named after their op
+        cause = min(ops)[1] if ops else "(no torch range: Python)"
+        runtime = [sp for sp in spans if sp[1].startswith("cuda")]
+        if runtime:  # e.g. "aten::item / cudaStreamSynchronize": the host waited for the device there
+            cause += " / " + min(runtime)[1]
+        g = grouped[(cause, next_kernel)]
+        g[0] += hi - lo
+        g[1] += 1
+    ranked = sorted(grouped.items(), key=lambda kv: -kv[1][0])[:top]
+    return IdleGaps((busy_until - kernels[0][0]) / 1e3, sum(hi - lo for lo, hi, _ in gaps) / 1e3, len(gaps),
+                    [(c, k, us / 1e3, int(n)) for (c, k), (us, n) in ranked])
+
+
+def format_idle_gaps(g: IdleGaps) -> str:
+    lines = [f"  device idle {g.idle_ms:.1f} ms of {g.window_ms:.1f} ms in {g.gaps} gaps; the largest causes "
+             "(host range spanning the gap -> kernel that ended it):"]
+    lines += [f"    {ms:8.1f} ms  x{n:<5d} {cause[:60]} -> {kernel[:60]}" for cause, kernel, ms, n in g.by_cause]
+    return "\n".join(lines)
+
+
 @contextmanager
 def profiled(device: torch.device, trace_path: str | None) -> Iterator[torch.profiler.profile]:
     """``torch.profiler`` over the block (CPU, plus CUDA on a CUDA device); the Chrome trace goes to
@@ -89,4 +139,5 @@ def profiled(device: torch.device, trace_path: str | None) -> Iterator[torch.pro
         prof.export_chrome_trace(trace_path)
 
 
-__all__ = ["STAGE_PREFIX", "StageTime", "format_stage_times", "profiled", "stage_times"]
+__all__ = ["STAGE_PREFIX", "IdleGaps", "StageTime", "format_idle_gaps", "format_stage_times", "idle_gaps", "profiled",
+           "stage_times"]
