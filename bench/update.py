@@ -81,11 +81,12 @@ def _global_sum(x: float, device: torch.device) -> float:
 def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict[str, object]]:
     folder = model_folder(shape, root=args.models)
     dev, world = env.device, env.world_size
-    engines = [("", False)] + ([("+compile", True)] if args.compile else [])
+    engines = ([] if args.compile_only else [("", False)]) + ([("+compile", True)] if args.compile or args.compile_only else [])
     rows_out: list[dict[str, object]] = []
     for suffix, compile_layers in engines:
         fsdp = FsdpConfig(reshard_after_forward=args.reshard_after_forward, compile_layers=compile_layers,
-                          gather_once=args.gather_once)
+                          gather_once=args.gather_once, fuse_projections=tuple(args.fuse_projections),
+                          keep_logits_gib=args.keep_logits_gib)
         engine = FSDPEngine(model_folder=folder, mesh=FsdpLayout(world).build(dev.type), device=dev, fsdp=fsdp,
                             actor=ActorConfig(lr=1e-6, grad_clip=1.0), total_updates=10 ** 6, trainable=True,
                             pad_token_id=0, use_packing=True, max_tokens_per_gpu=args.max_tokens_per_gpu)
@@ -183,6 +184,8 @@ def profile_step(engine: FSDPEngine, micros: list, loss_fn, *, show: bool, label
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from spmd_rl.profiling import format_idle_gaps, idle_gaps
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         engine.train_mini_batch(micros, loss_fn, temperature=1.0, need_entropy_grad=False)
@@ -203,6 +206,7 @@ def profile_step(engine: FSDPEngine, micros: list, loss_fn, *, show: bool, label
     print(f"profile {label}: step {wall * 1e3:.1f} ms (profiled), kernels {total / 1e3:.1f} ms "
           f"(the GPU busy {100 * total / 1e6 / wall:.0f} % of it); " +
           ", ".join(f"{g} {100 * t / total:.1f} %" for g, t in share.items()), flush=True)
+    print(format_idle_gaps(idle_gaps(prof, top=top)), flush=True)
     for title, events in (("torch ops", ops), ("kernels", kernels)):
         print(f"  top {top} {title} by device time:", flush=True)
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
@@ -298,11 +302,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens-per-gpu", type=int, default=24576, help="tokens per packed micro-batch")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also time the last layout with compiled decoder layers")
+    p.add_argument("--compile-only", action="store_true", help="only the compiled layers (skips the eager layouts)")
     p.add_argument("--layouts", nargs="+", default=None, help="only these layouts (e.g. packed+flash)")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP2 reshard_after_forward (off: parameters stay gathered, and cast, until the backward)")
     p.add_argument("--gather-once", action=argparse.BooleanOptionalAction, default=True,
                    help="FsdpConfig.gather_once (off: FSDP's per-layer gathers, also on one-rank shards)")
+    p.add_argument("--fuse-projections", nargs="*", default=[], choices=["gate_up", "qkv"],
+                   help="FsdpConfig.fuse_projections (default none: every projection its own GEMM)")
+    p.add_argument("--keep-logits-gib", type=float, default=None,
+                   help="FsdpConfig.keep_logits_gib (default: automatic, 1/16 of the GPU; 0: recompute the head's logits)")
     p.add_argument("--eager-head", action="store_true", help="the log-prob head's eager chunk code, not the compiled one")
     p.add_argument("--reduce-every-micro-batch", action="store_true",
                    help="one GPU: reduce gradients after every micro-batch (the engine does it after the last only)")

@@ -337,6 +337,8 @@ class Trainer:
                     dist.all_reduce(counts, group=self.group)
                 global_tokens, global_seqs = counts.tolist()
 
+                pending: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []  # read after the step: no sync
+
                 def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, micro: RolloutBatch):
                     mask = micro["response_mask"].to(device)
                     old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else logprobs.detach()
@@ -346,17 +348,23 @@ class Trainer:
                         logprobs, entropy, old_logprobs=old, advantages=micro["advantages"].to(device),
                         response_mask=mask, ref_logprobs=ref, algo=cfg.algo,
                         global_tokens=global_tokens, global_seqs=global_seqs, rollout_logprobs=sampled)
-                    tokens = mask.sum().item()
+                    tokens = mask.sum()
                     for key, value in metrics.items():
-                        if key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
-                            acc.add_sum(key, value.item() * self.sum_weight / self.updates_per_step)  # global parts
-                        else:
-                            acc.add(key, value.item(), tokens)
+                        global_part = key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
+                        pending.append((key, value.detach(), None if global_part else tokens))
                     return loss, metrics
 
                 stats = self.actor.train_mini_batch(
                     self.actor.micro_batches(mini, micro_batch_size=cfg.actor.micro_batch_size), loss_fn,
                     temperature=self.temperature, need_entropy_grad=cfg.algo.entropy_coef > 0)
+                if pending:  # one device-to-host copy for the mini-batch's metrics: (value, tokens) pairs
+                    pairs = torch.stack([torch.stack([v, v if t is None else t]).float().reshape(2)
+                                         for _, v, t in pending]).tolist()
+                    for (key, _, tokens), (value, weight) in zip(pending, pairs):
+                        if tokens is None:  # global parts
+                            acc.add_sum(key, value * self.sum_weight / self.updates_per_step)
+                        else:
+                            acc.add(key, value, weight)
                 # grad_norm and lr are identical on every rank; weight 1 per rank keeps the mean exact.
                 skipped = stats.get("skipped", 0.0)  # a non-finite update the engine was allowed to skip
                 if not skipped:

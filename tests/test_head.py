@@ -16,9 +16,10 @@ def _plain(hidden, weight, labels, temperature):
     return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
 
 
+@pytest.mark.parametrize("keep", [0, 10 ** 6], ids=["recompute", "keep"])
 @pytest.mark.parametrize("chunk", [1, 4, 10, 64])  # many chunks, uneven last chunk, exactly one, one larger
 @pytest.mark.parametrize("entropy", ["grad", "detached", "none"])
-def test_chunked_equals_plain_with_gradients(chunk: int, entropy: str) -> None:
+def test_chunked_equals_plain_with_gradients(chunk: int, entropy: str, keep: int, monkeypatch) -> None:
     g = torch.Generator().manual_seed(0)
     n, h, v, t = 10, 16, 50, 0.7
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64, requires_grad=True)
@@ -30,7 +31,11 @@ def test_chunked_equals_plain_with_gradients(chunk: int, entropy: str) -> None:
     loss_ref = (lp_ref * up_lp).sum() + ((ent_ref * up_ent).sum() if entropy == "grad" else 0.0)
     gh_ref, gw_ref = torch.autograd.grad(loss_ref, (hidden, weight))
 
-    lp, ent = chunked_logprobs(hidden, weight, labels, temperature=t, entropy=entropy, chunk_tokens=chunk)
+    gemms = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: gemms.append(1) or linear(*a))
+    lp, ent = chunked_logprobs(hidden, weight, labels, temperature=t, entropy=entropy, chunk_tokens=chunk,
+                               keep_bytes=keep)
     torch.testing.assert_close(lp, lp_ref, rtol=1e-12, atol=1e-12)
     if entropy == "none":
         assert ent is None
@@ -39,8 +44,33 @@ def test_chunked_equals_plain_with_gradients(chunk: int, entropy: str) -> None:
         assert ent.requires_grad == (entropy == "grad")
     loss = (lp * up_lp).sum() + ((ent * up_ent).sum() if entropy == "grad" else 0.0)
     gh, gw = torch.autograd.grad(loss, (hidden, weight))
+    chunks = -(-n // chunk)  # the logits' GEMM: once per chunk, again in the backward unless kept
+    assert len(gemms) == (chunks if keep or chunks == 1 else 2 * chunks)
     torch.testing.assert_close(gh, gh_ref, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(gw, gw_ref, rtol=1e-9, atol=1e-12)
+
+
+def test_kept_logits_only_when_a_backward_runs_and_within_budget(monkeypatch) -> None:
+    """No graph (reference / old log-prob passes): nothing is kept whatever the budget; a budget smaller
+    than the logits (10 x 50 x 8 bytes here) recomputes."""
+    from spmd_rl.engine import head
+
+    seen = []
+    forward = head.ChunkedLogprobs.forward
+
+    def spy(ctx, *args):
+        out = forward(ctx, *args)
+        seen.append(None if ctx.kept is None else len(ctx.kept))
+        return out
+
+    monkeypatch.setattr(head.ChunkedLogprobs, "forward", staticmethod(spy))
+    hidden, weight = torch.randn(10, 16, dtype=torch.float64), torch.randn(50, 16, dtype=torch.float64)
+    labels = torch.randint(0, 50, (10,))
+    with torch.no_grad():
+        chunked_logprobs(hidden, weight, labels, chunk_tokens=3, keep_bytes=10 ** 6)
+    chunked_logprobs(hidden.requires_grad_(), weight, labels, chunk_tokens=3, keep_bytes=10 * 50 * 8 - 1)
+    chunked_logprobs(hidden, weight, labels, chunk_tokens=3, keep_bytes=10 * 50 * 8)
+    assert seen == [None, None, 4]
 
 
 def test_bf16_is_as_accurate_as_the_plain_bf16_path() -> None:

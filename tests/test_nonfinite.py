@@ -26,7 +26,7 @@ def _body(rank: int, world_size: int, folder: str, skip: int) -> dict:
     def loss_fn(logprobs, entropy, micro):
         loss = -(logprobs * micro["response_mask"]).sum() / 100.0
         # NaN only on rank 0's first micro-batch: the global norm is NaN on every rank
-        bad = poison["on"] and rank == 0 and micro is micros[0]
+        bad = poison["on"] and rank == 0 and micro.prompts is micros[0].prompts  # loss_fn gets a device copy
         return (loss * float("nan") if bad else loss), {}
 
     def weights():

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -62,6 +63,14 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             "Hugging Face models of the Llama / Qwen / Mistral shape"
         )
     return list(layers)
+
+
+def keep_logits_bytes(gib: float | None, device: torch.device) -> int:
+    """The log-prob head's budget of logits kept for the backward (``FsdpConfig.keep_logits_gib``):
+    ``None`` = 1/16 of the GPU's memory (8.7 GiB on an H200, 5 on an 80 GB card), none on CPU."""
+    if gib is None:
+        return torch.cuda.get_device_properties(device).total_memory // 16 if device.type == "cuda" else 0
+    return int(gib * 2 ** 30)
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -131,11 +140,12 @@ class FSDPEngine:
             ulysses.check_heads(model.config, self.sp_size)
         model.config.use_cache = False
         # RoPE on the projections' own layout, no transposed copies (engine/attention.py); others keep HF's
-        self.natural_attention = attention.install(model)
+        self.natural_attention = attention.install(model, fuse=fsdp.fuse_projections)
         self.sliding_window = sliding_window(model.config)
         self._head = LogprobHead.replace(model)  # log-probs at the requested positions, chunked over the vocab
         self.logits_chunk_tokens = logits_chunk_tokens or default_chunk_tokens(int(model.config.vocab_size))
         self.fused_head = fused_available(device)  # compiled vocabulary kernels on CUDA (engine/head.py)
+        self.keep_logits_bytes = keep_logits_bytes(fsdp.keep_logits_gib, device)
         self.reduce_every_micro_batch = mesh.size() > 1  # see _gradient_sync
         # a shard dimension of one rank: FSDP's per-layer gather is a copy (see _one_gather)
         self.gather_once = fsdp.gather_once and mesh.shape[-1] == 1 and hasattr(FSDPModule, "set_reshard_after_forward")
@@ -182,15 +192,14 @@ class FSDPEngine:
         self.offload()
 
     # ------------------------------------------------------------------ forward
-    def _forward(self, micro: RolloutBatch, temperature: float, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response log-probs ``[B, T]`` (0 where the response mask is 0); ``entropy`` is "none",
-        "detached" (for metrics) or "grad" (for a bonus).
+    def _stage(self, micro: RolloutBatch, rows: list[int] | None = None) -> "_Staged":
+        """Everything a micro-batch's forward reads, built on the host and copied to the device up front.
 
-        The micro-batch becomes a ``[R, W]`` grid (padded or packed); under Ulysses this rank
-        feeds the model columns ``[lo, lo + W/k)`` and computes log-probs for the positions of its
-        slice, which are then all-gathered over the sp group (gradient: own slice only). The head
-        runs only on positions that predict a valid response token, chunked over them so the
-        full-vocabulary logits never exist for the whole micro-batch (:class:`LogprobHead`).
+        The micro-batch becomes a ``[R, W]`` grid (padded or packed); under Ulysses this rank feeds the
+        model columns ``[lo, lo + W/k)`` and scores the positions of its slice. On GPU the copies go
+        from pinned memory without blocking: a copy from pageable memory waits for the device to
+        finish all queued work first, and one per tensor and micro-batch left the GPU idle while the
+        host caught up (docs/PERF.md). Callers stage all their micro-batches before the first forward.
         """
         if self.sliding_window is not None:
             check_sliding_window(max(packing.row_tokens(micro), default=0), self.sliding_window, engine="FSDP")
@@ -200,35 +209,57 @@ class FSDPEngine:
         valid = micro["response_mask"].cpu().bool()
         pos_rows, pos_cols = flat.target_rows[valid], flat.target_cols[valid]
         mine = (pos_cols >= lo) & (pos_cols < lo + width)
-        dev = self.device
-        sel = (pos_rows[mine].to(dev), (pos_cols[mine] - lo).to(dev))  # in this rank's [R, W/k] slice
+        sel_rows, sel_cols = pos_rows[mine], pos_cols[mine] - lo  # in this rank's [R, W/k] slice
+        labels = flat.labels[:, lo:lo + width][sel_rows, sel_cols]
+        put = self._to_device
         if self.flash_varlen:
             cu, longest = ulysses.varlen_runs(flat.segment_ids)
-            attn = ulysses.AttnSpec(cu_seqlens=cu.to(dev), max_seqlen=longest, sp_group=self.sp_group)
+            attn = ulysses.AttnSpec(cu_seqlens=put(cu), max_seqlen=longest, sp_group=self.sp_group)
         else:  # [R, 1, W, W], built on the device
-            attn = ulysses.AttnSpec(mask=ulysses.block_causal_mask(flat.segment_ids.to(dev)), sp_group=self.sp_group)
-        labels = flat.labels[:, lo:lo + width].to(dev)[sel]
-        self._head.request = HeadRequest(positions=sel, labels=labels, entropy=entropy,  # type: ignore[arg-type]
+            attn = ulysses.AttnSpec(mask=ulysses.block_causal_mask(put(flat.segment_ids)), sp_group=self.sp_group)
+        return _Staged(
+            micro=RolloutBatch(micro.prompts, {k: put(v) for k, v in micro.tensors.items()}, micro.extras),
+            input_ids=put(flat.input_ids[:, lo:lo + width]), position_ids=put(flat.position_ids[:, lo:lo + width]),
+            attn=attn, sel=(put(sel_rows), put(sel_cols)), labels=put(labels),
+            rows=put(flat.target_rows), cols=put(flat.target_cols), grid_rows=flat.input_ids.shape[0], width=width,
+            index=None if rows is None else put(torch.tensor(rows, dtype=torch.long)))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.on_gpu and t.device.type == "cpu":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _forward(self, staged: "_Staged", temperature: float, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response log-probs ``[B, T]`` (0 where the response mask is 0); ``entropy`` is "none",
+        "detached" (for metrics) or "grad" (for a bonus).
+
+        Under Ulysses the log-probs of each rank's slice are all-gathered over the sp group (gradient:
+        own slice only). The head runs only on positions that predict a valid response token,
+        chunked over them so the full-vocabulary logits never exist for the whole micro-batch
+        (:class:`LogprobHead`).
+        """
+        sel = staged.sel
+        self._head.request = HeadRequest(positions=sel, labels=staged.labels, entropy=entropy,  # type: ignore[arg-type]
                                          temperature=temperature if temperature > 0 else 1.0,
-                                         chunk_tokens=self.logits_chunk_tokens, fused=self.fused_head)
+                                         chunk_tokens=self.logits_chunk_tokens, fused=self.fused_head,
+                                         keep_bytes=self.keep_logits_bytes)
         try:
             out = self.model(
-                input_ids=flat.input_ids[:, lo:lo + width].to(dev),
+                input_ids=staged.input_ids,
                 attention_mask=None,  # our attention takes its layout from spmd_attn
-                position_ids=flat.position_ids[:, lo:lo + width].to(dev),
+                position_ids=staged.position_ids,
                 use_cache=False,
-                spmd_attn=attn,
+                spmd_attn=staged.attn,
             )
         finally:
             self._head.request = None
         scored = out.logits[0]  # [N, 2]: (log-prob, entropy) per selected position
-        mask = micro["response_mask"].to(dev)
-        rows, cols = flat.target_rows.to(dev), flat.target_cols.to(dev)
+        mask = staged.micro["response_mask"]
 
         def to_responses(values: torch.Tensor) -> torch.Tensor:  # [N] -> [B, T]
-            local = values.new_zeros(flat.input_ids.shape[0], width).index_put(sel, values)
+            local = values.new_zeros(staged.grid_rows, staged.width).index_put(sel, values)
             full = ulysses.gather_sequence(local, self.sp_group, dim=1)
-            return full[rows, cols] * mask
+            return full[staged.rows, staged.cols] * mask
 
         logprobs = to_responses(scored[:, 0])
         return logprobs, (None if entropy == "none" else to_responses(scored[:, 1]))
@@ -257,13 +288,13 @@ class FSDPEngine:
         self.model.eval()
         logprobs = torch.zeros(len(batch), batch.response_len, device=self.device)
         entropies = torch.zeros_like(logprobs) if with_entropy else None
+        staged = [self._stage(batch.select(rows), rows) for rows in self._micro_rows(batch, micro_batch_size)]
         with self._one_gather():
-            for rows in self._micro_rows(batch, micro_batch_size):
-                lp, ent = self._forward(batch.select(rows), temperature, "detached" if with_entropy else "none")
-                index = torch.tensor(rows, device=self.device)
-                logprobs[index] = lp
+            for micro in staged:
+                lp, ent = self._forward(micro, temperature, "detached" if with_entropy else "none")
+                logprobs[micro.index] = lp
                 if entropies is not None and ent is not None:
-                    entropies[index] = ent
+                    entropies[micro.index] = ent
         self.model.train(was_training)
         self.offload()
         return logprobs, entropies
@@ -274,18 +305,21 @@ class FSDPEngine:
         """One optimizer step over ``micro_batches``; returns grad_norm and lr.
 
         ``loss_fn`` returns a loss already divided by the GLOBAL normaliser, so losses of all
-        micro-batches on all ranks add up to the mini-batch objective.
+        micro-batches on all ranks add up to the mini-batch objective. It gets each micro-batch with
+        its tensors on the device; a ``.item()`` in it waits for the device (metrics are best kept
+        as tensors until the step ends).
         """
         assert self.optimizer is not None and self.scheduler is not None, "reference engine cannot train"
         self.onload(optimizer=True)  # the caller calls offload() after its last mini-batch
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         bad_losses = torch.zeros((), dtype=torch.long, device=self.device)  # summed without a sync per micro-batch
+        staged = [self._stage(micro) for micro in micro_batches]
         with self._one_gather():  # ends before the optimizer step: the next forward gathers the new weights
-            for i, micro in enumerate(micro_batches):
-                self._gradient_sync(last=i == len(micro_batches) - 1)
+            for i, micro in enumerate(staged):
+                self._gradient_sync(last=i == len(staged) - 1)
                 logprobs, entropy = self._forward(micro, temperature, "grad" if need_entropy_grad else "detached")
-                loss, _ = loss_fn(logprobs, entropy, micro)
+                loss, _ = loss_fn(logprobs, entropy, micro.micro)
                 bad_losses += ~torch.isfinite(loss.detach())
                 loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -372,8 +406,9 @@ class FSDPEngine:
         for i, micro in enumerate(micro_batches):
             self._gradient_sync(last=i == len(micro_batches) - 1)
             with NonfiniteWatch(self.model) as watch:
-                logprobs, entropy = self._forward(micro, temperature, "grad" if need_entropy_grad else "detached")
-                loss, _ = loss_fn(logprobs, entropy, micro)
+                staged = self._stage(micro)
+                logprobs, entropy = self._forward(staged, temperature, "grad" if need_entropy_grad else "detached")
+                loss, _ = loss_fn(logprobs, entropy, staged.micro)
                 watch.track(loss)
                 loss.backward()
             if watch.found:
@@ -470,6 +505,23 @@ class FSDPEngine:
         if optimizer and self.optimizer is not None and not self._optimizer_on_device:
             _move_optimizer_state(self.optimizer, self.device)
             self._optimizer_on_device = True
+
+
+@dataclass
+class _Staged:
+    """One micro-batch's forward inputs on the device (:meth:`FSDPEngine._stage`)."""
+
+    micro: RolloutBatch  # the micro-batch, its tensors on the device (what loss functions get)
+    input_ids: torch.Tensor  # [R, W/k] this rank's columns of the grid
+    position_ids: torch.Tensor
+    attn: ulysses.AttnSpec
+    sel: tuple[torch.Tensor, torch.Tensor]  # scored positions in this rank's slice
+    labels: torch.Tensor  # [N] the token each scored position predicts
+    rows: torch.Tensor  # [B, T] -> grid cell of every response position
+    cols: torch.Tensor
+    grid_rows: int
+    width: int
+    index: torch.Tensor | None  # the micro-batch's rows in the batch (compute_logprobs)
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
