@@ -25,7 +25,8 @@ from test_varlen import reference_varlen
 COMMON = dict(vocab_size=61, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
               max_position_embeddings=64, initializer_range=0.2)
 MODELS = {
-    "llama-gqa-bias": lambda: LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, attention_bias=True, **COMMON)),
+    "llama-gqa-bias": lambda: LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, attention_bias=True, mlp_bias=True,
+                                                           **COMMON)),
     "qwen2-gqa-tied": lambda: Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=3, tie_word_embeddings=True,
                                                            use_sliding_window=False, **COMMON)),
     "mistral-mha": lambda: MistralForCausalLM(MistralConfig(num_key_value_heads=6, sliding_window=None, **COMMON)),
