@@ -17,18 +17,18 @@ The parameters stay separate: the concatenation copies the layer's weights once 
 of MB, against activations of GBs), and autograd hands each parameter its slice of the fused weight
 gradient. The same sums as separate projections up to the order of float additions.
 
-* ``"gate_up"`` (:func:`fused_mlp_forward`): the gate and up weights are *interleaved* row by row,
-  so the GEMM writes ``[tokens, I, 2]`` and the SwiGLU reads (and its backward writes) gate and up
-  of one column side by side: one pass over memory. Joined end to end instead, as ``[gate | up]``,
-  the compiled backward (torch 2.11) computed the join as one masked kernel that read each input
-  twice, and the SwiGLU backward took 77 ms instead of 40 in a 1.5B step on the H200. The fused GEMM
-  itself saved ~40 ms there (docs/PERF.md).
+* ``"gate_up"`` (:func:`fused_mlp_forward`): the gate and up weights are interleaved row by row, so
+  the GEMM writes ``[tokens, I, 2]`` and gate and up of one column sit side by side. The fused GEMM
+  saved 20-40 ms of a 1.5B step on the H200, but with torch 2.11 the compiled SwiGLU backward, which
+  now writes the joined gradient, took 79 ms instead of 40 (77 ms with ``[gate | up]`` end to end:
+  inductor computes a join as one masked kernel that reads each input twice), so the step got
+  slower (docs/PERF.md).
 * ``"qkv"`` (:func:`fused_linear`): one GEMM for the attention's input; it saves the small k/v GEMMs
   of a GQA model and two input-gradient GEMMs with their additions. Its backward joins the q/k/v
   gradients with an opaque op (``spmd_rl::cat_columns``, a plain ``torch.cat``), since compiling the
   ``split``'s own backward made one masked kernel that recomputed the RoPE backward per column
   (1.3 ms per layer against ~0.4). Even so it measured no faster on the 1.5B shape (1.360 s against
-  1.332 s per step), so it is not on by default.
+  1.332 s per step). Neither is on by default (``FsdpConfig.fuse_projections``).
 """
 
 from __future__ import annotations
