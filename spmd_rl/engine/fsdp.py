@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -44,7 +43,8 @@ from torch.distributed.tensor import DTensor
 from spmd_rl.config import ActorConfig, FsdpConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.engine import attention, packing, ulysses
-from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available
+from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available, keep_logits_bytes
+from spmd_rl.engine.inputs import Staged, stage
 from spmd_rl.engine.nanwatch import NonfiniteWatch
 from spmd_rl.models import check_sliding_window, load_causal_lm, sliding_window
 
@@ -63,14 +63,6 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             "Hugging Face models of the Llama / Qwen / Mistral shape"
         )
     return list(layers)
-
-
-def keep_logits_bytes(gib: float | None, device: torch.device) -> int:
-    """The log-prob head's budget of logits kept for the backward (``FsdpConfig.keep_logits_gib``):
-    ``None`` = 1/16 of the GPU's memory (8.7 GiB on an H200, 5 on an 80 GB card), none on CPU."""
-    if gib is None:
-        return torch.cuda.get_device_properties(device).total_memory // 16 if device.type == "cuda" else 0
-    return int(gib * 2 ** 30)
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -192,44 +184,16 @@ class FSDPEngine:
         self.offload()
 
     # ------------------------------------------------------------------ forward
-    def _stage(self, micro: RolloutBatch, rows: list[int] | None = None) -> "_Staged":
-        """Everything a micro-batch's forward reads, built on the host and copied to the device up front.
-
-        The micro-batch becomes a ``[R, W]`` grid (padded or packed); under Ulysses this rank feeds the
-        model columns ``[lo, lo + W/k)`` and scores the positions of its slice. On GPU the copies go
-        from pinned memory without blocking: a copy from pageable memory waits for the device to
-        finish all queued work first, and one per tensor and micro-batch left the GPU idle while the
-        host caught up (docs/PERF.md). Callers stage all their micro-batches before the first forward.
-        """
+    def _stage(self, micro: RolloutBatch, rows: list[int] | None = None) -> Staged:
+        """The micro-batch's forward inputs on the device (:mod:`spmd_rl.engine.inputs`); callers stage
+        all their micro-batches before the first forward, so no host-to-device copy waits for the GPU."""
         if self.sliding_window is not None:
             check_sliding_window(max(packing.row_tokens(micro), default=0), self.sliding_window, engine="FSDP")
-        flat = packing.flatten(micro, pad_token_id=self.pad_token_id, packed=self.use_packing, multiple=self.sp_size)
-        width = flat.width // self.sp_size
-        lo = self.sp_rank * width
-        valid = micro["response_mask"].cpu().bool()
-        pos_rows, pos_cols = flat.target_rows[valid], flat.target_cols[valid]
-        mine = (pos_cols >= lo) & (pos_cols < lo + width)
-        sel_rows, sel_cols = pos_rows[mine], pos_cols[mine] - lo  # in this rank's [R, W/k] slice
-        labels = flat.labels[:, lo:lo + width][sel_rows, sel_cols]
-        put = self._to_device
-        if self.flash_varlen:
-            cu, longest = ulysses.varlen_runs(flat.segment_ids)
-            attn = ulysses.AttnSpec(cu_seqlens=put(cu), max_seqlen=longest, sp_group=self.sp_group)
-        else:  # [R, 1, W, W], built on the device
-            attn = ulysses.AttnSpec(mask=ulysses.block_causal_mask(put(flat.segment_ids)), sp_group=self.sp_group)
-        return _Staged(
-            micro=RolloutBatch(micro.prompts, {k: put(v) for k, v in micro.tensors.items()}, micro.extras),
-            input_ids=put(flat.input_ids[:, lo:lo + width]), position_ids=put(flat.position_ids[:, lo:lo + width]),
-            attn=attn, sel=(put(sel_rows), put(sel_cols)), labels=put(labels),
-            rows=put(flat.target_rows), cols=put(flat.target_cols), grid_rows=flat.input_ids.shape[0], width=width,
-            index=None if rows is None else put(torch.tensor(rows, dtype=torch.long)))
+        return stage(micro, device=self.device, pad_token_id=self.pad_token_id, packed=self.use_packing,
+                     flash=self.flash_varlen, sp_size=self.sp_size, sp_rank=self.sp_rank, sp_group=self.sp_group,
+                     rows=rows)
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.on_gpu and t.device.type == "cpu":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
-
-    def _forward(self, staged: "_Staged", temperature: float, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, staged: Staged, temperature: float, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response log-probs ``[B, T]`` (0 where the response mask is 0); ``entropy`` is "none",
         "detached" (for metrics) or "grad" (for a bonus).
 
@@ -505,23 +469,6 @@ class FSDPEngine:
         if optimizer and self.optimizer is not None and not self._optimizer_on_device:
             _move_optimizer_state(self.optimizer, self.device)
             self._optimizer_on_device = True
-
-
-@dataclass
-class _Staged:
-    """One micro-batch's forward inputs on the device (:meth:`FSDPEngine._stage`)."""
-
-    micro: RolloutBatch  # the micro-batch, its tensors on the device (what loss functions get)
-    input_ids: torch.Tensor  # [R, W/k] this rank's columns of the grid
-    position_ids: torch.Tensor
-    attn: ulysses.AttnSpec
-    sel: tuple[torch.Tensor, torch.Tensor]  # scored positions in this rank's slice
-    labels: torch.Tensor  # [N] the token each scored position predicts
-    rows: torch.Tensor  # [B, T] -> grid cell of every response position
-    cols: torch.Tensor
-    grid_rows: int
-    width: int
-    index: torch.Tensor | None  # the micro-batch's rows in the batch (compute_logprobs)
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -195,6 +195,14 @@ def fused_available(device: torch.device) -> bool:
     return triton_available(device)
 
 
+def keep_logits_bytes(gib: float | None, device: torch.device) -> int:
+    """The logits budget kept for the backward (``FsdpConfig.keep_logits_gib``): ``None`` = 1/16 of the
+    GPU's memory (8.7 GiB on an H200, 5 on an 80 GB card), none on CPU."""
+    if gib is None:
+        return torch.cuda.get_device_properties(device).total_memory // 16 if device.type == "cuda" else 0
+    return int(gib * 2 ** 30)
+
+
 def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """``logits / T`` in fp32 (float64 stays) as a fresh tensor the caller may overwrite."""
     z = logits.to(_work_dtype(logits.dtype), copy=True)
@@ -250,4 +258,4 @@ class LogprobHead(torch.nn.Module):
 
 
 __all__ = ["ChunkedLogprobs", "HeadRequest", "LogprobHead", "chunk_grad", "chunk_stats", "chunked_logprobs",
-           "default_chunk_tokens", "fused_available"]
+           "default_chunk_tokens", "fused_available", "keep_logits_bytes"]
