@@ -76,8 +76,8 @@ def test_natural_layout_forward_equals_hf(name: str, flash_layout: bool, fuse: t
 
 
 def test_compiled_fused_layers_equal_eager() -> None:
-    """The GPU configuration (fused q/k/v, layers under torch.compile) on CPU inductor: the same logits and
-    gradients as the eager layers; the join of the q/k/v gradients stays the opaque op inside the graph."""
+    """Both fusions with the layers under torch.compile (CPU inductor): the same logits and gradients as
+    the eager layers."""
     ulysses.register_attention()
     torch.manual_seed(0)
     eager = MODELS["qwen2-gqa-tied"]()
