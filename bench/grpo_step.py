@@ -65,7 +65,7 @@ def write_prompts(path: str, count: int, content_len: int, seed: int) -> None:
 def run_ours(args: argparse.Namespace, folder: str, data: str, out_dir: str) -> dict[str, object]:
     import spmd_rl.trainer as trainer_mod
     from spmd_rl.config import load_config
-    from spmd_rl.dist.env import DistEnv
+    from spmd_rl.distributed.env import DistEnv
     from transformers import AutoConfig
 
     vocab = int(AutoConfig.from_pretrained(folder).vocab_size)

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import default_root, model_folder  # noqa: E402
 
 from spmd_rl.config import ActorConfig, FsdpConfig  # noqa: E402
-from spmd_rl.dist.dims import FsdpLayout  # noqa: E402
-from spmd_rl.dist.env import DistEnv  # noqa: E402
+from spmd_rl.distributed.dims import FsdpLayout  # noqa: E402
+from spmd_rl.distributed.env import DistEnv  # noqa: E402
 from spmd_rl.engine.fsdp import FSDPEngine  # noqa: E402
 from spmd_rl.rollout import build_rollout  # noqa: E402
 

@@ -128,7 +128,7 @@ def main() -> int:
 
         install_megatron_cpu_shims()
     from spmd_rl.config import ActorConfig, FsdpConfig, MegatronConfig
-    from spmd_rl.dist.dims import FsdpLayout, MegatronLayout
+    from spmd_rl.distributed.dims import FsdpLayout, MegatronLayout
     from spmd_rl.engine.fsdp import FSDPEngine
     from spmd_rl.engine.megatron import MegatronEngine
     from spmd_rl.engine.megatron.model import ModelSpec, check_layout

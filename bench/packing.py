@@ -31,8 +31,8 @@ from shapes import random_grpo_batch  # noqa: E402
 from spmd_rl.algo.objective import actor_objective  # noqa: E402
 from spmd_rl.config import ActorConfig, AlgoConfig, FsdpConfig  # noqa: E402
 from spmd_rl.data.batch import RolloutBatch  # noqa: E402
-from spmd_rl.dist.dims import FsdpLayout  # noqa: E402
-from spmd_rl.dist.env import DistEnv  # noqa: E402
+from spmd_rl.distributed.dims import FsdpLayout  # noqa: E402
+from spmd_rl.distributed.env import DistEnv  # noqa: E402
 from spmd_rl.engine import packing  # noqa: E402
 from spmd_rl.engine.fsdp import FSDPEngine  # noqa: E402
 from spmd_rl.models import resolve_model_path  # noqa: E402

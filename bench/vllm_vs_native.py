@@ -46,7 +46,7 @@ def run_row(engine_name: str, dtype_name: str, args: argparse.Namespace) -> dict
     from spmd_rl.data import build_prompts
     from spmd_rl.data.batch import RolloutBatch
     from spmd_rl.data.prompts import render_prompts
-    from spmd_rl.dist.dims import FsdpLayout
+    from spmd_rl.distributed.dims import FsdpLayout
     from spmd_rl.engine.fsdp import FSDPEngine
     from spmd_rl.models import load_tokenizer, resolve_model_path
     from spmd_rl.rollout import build_rollout

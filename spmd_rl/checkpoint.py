@@ -52,7 +52,7 @@ from spmd_rl.checkpoint_files import (  # noqa: F401 (re-exported: the names use
     write_atomic, write_file,
 )
 from spmd_rl.config import CheckpointConfig
-from spmd_rl.dist.comm import broadcast_object, fail_together
+from spmd_rl.distributed.comm import broadcast_object, fail_together
 
 log = logging.getLogger("spmd_rl")
 # Weight files are not copied into a checkpoint's hf/ folder: the checkpoint holds the weights.

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from spmd_rl.config import Config, load_config
-from spmd_rl.dist.comm import all_gather_objects, fail_together
-from spmd_rl.dist.env import DistEnv
+from spmd_rl.distributed.comm import all_gather_objects, fail_together
+from spmd_rl.distributed.env import DistEnv
 from spmd_rl.metrics import setup_logging
 
 log = logging.getLogger("spmd_rl")

@@ -4,7 +4,7 @@
     python -m spmd_rl.layout --actor.engine megatron --actor.megatron.tp 2 --world-size 8 --json
 
 Takes every flag of ``spmd_rl.train`` (same config loading) plus its own. It runs the same
-validation as the trainer (:func:`spmd_rl.dist.plan.plan`), so an invalid layout exits non-zero
+validation as the trainer (:func:`spmd_rl.distributed.plan.plan`), so an invalid layout exits non-zero
 with the trainer's message. The text output is tables (ranks, then groups); ``--json`` prints one
 object ``{"world_size", "ranks": [...], "groups": {"<mesh>.<axis>": [[global ranks], ...]}}``.
 """
@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import tyro
 
 from spmd_rl.config import load_config
-from spmd_rl.dist.plan import Plan, plan
+from spmd_rl.distributed.plan import Plan, plan
 
 
 @dataclass(kw_only=True)

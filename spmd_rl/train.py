@@ -15,8 +15,8 @@ import sys
 import time
 
 from spmd_rl.config import load_config
-from spmd_rl.dist.plan import plan
-from spmd_rl.dist.env import DistEnv
+from spmd_rl.distributed.plan import plan
+from spmd_rl.distributed.env import DistEnv
 from spmd_rl.metrics import setup_logging
 
 log = logging.getLogger("spmd_rl")
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spmd_rl.train: invalid configuration{where}: {e}", file=sys.stderr, flush=True)
         return 2
     env.init(device=cfg.trainer.device, timeout_s=cfg.trainer.dist_timeout_s)
-    from spmd_rl.dist.world import build_run_groups
+    from spmd_rl.distributed.world import build_run_groups
     from spmd_rl.trainer import Trainer  # heavy imports after the cheap checks
     import transformers
 

@@ -37,10 +37,10 @@ from spmd_rl.data import build_prompts
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.data.prompts import render_prompts
 from spmd_rl.data.sampler import PromptSampler
-from spmd_rl.dist.plan import plan
-from spmd_rl.dist.comm import all_gather_objects, broadcast_object, fail_together, relayout
-from spmd_rl.dist.env import DistEnv, format_rank_table
-from spmd_rl.dist.world import RunGroups, build_run_groups
+from spmd_rl.distributed.plan import plan
+from spmd_rl.distributed.comm import all_gather_objects, broadcast_object, fail_together, relayout
+from spmd_rl.distributed.env import DistEnv, format_rank_table
+from spmd_rl.distributed.world import RunGroups, build_run_groups
 from spmd_rl.engine.fsdp import FSDPEngine
 from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, grpo_step_flops, peak_flops, phase_mfu
 from spmd_rl.models import FlopsModel, load_tokenizer, resolve_model_path

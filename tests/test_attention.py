@@ -142,7 +142,7 @@ def test_install_leaves_other_models_alone() -> None:
 def _window_body(rank: int, world_size: int, folder: str) -> dict:
     from spmd_rl.config import FsdpConfig
     from spmd_rl.data.batch import RolloutBatch
-    from spmd_rl.dist.dims import FsdpLayout
+    from spmd_rl.distributed.dims import FsdpLayout
     from spmd_rl.engine.fsdp import FSDPEngine
 
     engine = FSDPEngine(model_folder=folder, mesh=FsdpLayout(1).build("cpu"), device=torch.device("cpu"),
@@ -166,7 +166,7 @@ def _window_body(rank: int, world_size: int, folder: str) -> dict:
 def test_engine_refuses_sequences_longer_than_the_sliding_window(tmp_path) -> None:
     """The engine's attention is full causal: a Mistral whose window a sequence exceeds must stop with the
     flags to change, not train on a different function than the model's."""
-    from spmd_rl.dist.testing import run_distributed
+    from spmd_rl.distributed.testing import run_distributed
 
     MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=8, **COMMON)).save_pretrained(tmp_path)
     (got,) = run_distributed(_window_body, 1, str(tmp_path))

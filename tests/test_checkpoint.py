@@ -27,7 +27,7 @@ from spmd_rl.checkpoint import (
     Checkpointer, latest_checkpoint, list_checkpoints, resolve_checkpoint, rng_state, set_rng_state, truncate_metrics,
 )
 from spmd_rl.config import CheckpointConfig
-from spmd_rl.dist.testing import free_port, run_distributed
+from spmd_rl.distributed.testing import free_port, run_distributed
 from spmd_rl.export import export_hf, load_model_state, parse_size
 from spmd_rl.models import resolve_model_path
 from test_train_e2e import TINY
@@ -186,7 +186,7 @@ def _engine_vs_export_body(rank: int, world_size: int, step_dir: str, hf_dir: st
     from spmd_rl.checkpoint import Checkpointer
     from spmd_rl.config import CheckpointConfig, FsdpConfig
     from spmd_rl.data.batch import RolloutBatch
-    from spmd_rl.dist.dims import FsdpLayout
+    from spmd_rl.distributed.dims import FsdpLayout
     from spmd_rl.engine.fsdp import FSDPEngine
     from spmd_rl.rollout.native import NativeRollout
 

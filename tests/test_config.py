@@ -145,7 +145,7 @@ def test_help_shows_field_docs(module):
 @pytest.mark.parametrize("preset", sorted(p.name for p in (Path(__file__).parent.parent / "configs").glob("*.yaml")))
 def test_every_preset_loads_and_plans(preset):
     """Each shipped preset parses, passes validation, and lays out on 1 and 2 processes."""
-    from spmd_rl.dist.plan import plan
+    from spmd_rl.distributed.plan import plan
 
     cfg = load_config(["--config", str(Path(__file__).parent.parent / "configs" / preset)])
     for world in (1, 2):

@@ -10,9 +10,9 @@ import itertools
 import pytest
 
 from spmd_rl.config import ActorConfig, Config, DataConfig, FsdpConfig, MegatronConfig, PoolsConfig, RolloutConfig
-from spmd_rl.dist.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
-from spmd_rl.dist.plan import plan
-from spmd_rl.dist.pools import PoolSpec, get_spec, member_of, plan_pools
+from spmd_rl.distributed.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
+from spmd_rl.distributed.plan import plan
+from spmd_rl.distributed.pools import PoolSpec, get_spec, member_of, plan_pools
 
 SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 

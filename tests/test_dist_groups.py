@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from spmd_rl.dist.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
-from spmd_rl.dist.pools import Pools, plan_pools
-from spmd_rl.dist.testing import run_distributed
+from spmd_rl.distributed.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
+from spmd_rl.distributed.pools import Pools, plan_pools
+from spmd_rl.distributed.testing import run_distributed
 
 
 def _check_group(what: str, group: Any, expected: list[int], rank: int) -> None:

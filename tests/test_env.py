@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spmd_rl.dist.env import DistEnv, expand_slurm_nodelist, format_rank_table
+from spmd_rl.distributed.env import DistEnv, expand_slurm_nodelist, format_rank_table
 
 TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
             "MASTER_ADDR": "node-a", "MASTER_PORT": "29400"}

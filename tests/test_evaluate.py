@@ -11,7 +11,7 @@ import pytest
 
 from conftest import HERE, REPO
 from spmd_rl.config import load_config
-from spmd_rl.dist.testing import free_port
+from spmd_rl.distributed.testing import free_port
 from spmd_rl.evaluate import EvalFlags, held_out_prompts
 from spmd_rl.export import export_hf
 from test_train_e2e import TINY, _check, torchrun

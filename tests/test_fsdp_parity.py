@@ -32,8 +32,8 @@ import torch.distributed as dist
 from spmd_rl.algo.objective import actor_objective
 from spmd_rl.config import ActorConfig, AlgoConfig, FsdpConfig
 from spmd_rl.data.batch import RolloutBatch
-from spmd_rl.dist.dims import FsdpLayout
-from spmd_rl.dist.testing import run_distributed
+from spmd_rl.distributed.dims import FsdpLayout
+from spmd_rl.distributed.testing import run_distributed
 from support.numerics import max_rel, rel
 from spmd_rl.engine.fsdp import FSDPEngine
 from spmd_rl.models import load_causal_lm, resolve_model_path

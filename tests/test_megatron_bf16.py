@@ -33,8 +33,8 @@ import torch
 
 from spmd_rl.config import ActorConfig, AlgoConfig, MegatronConfig
 from spmd_rl.data.batch import RolloutBatch
-from spmd_rl.dist.dims import MegatronLayout
-from spmd_rl.dist.testing import run_distributed
+from spmd_rl.distributed.dims import MegatronLayout
+from spmd_rl.distributed.testing import run_distributed
 from spmd_rl.models import load_causal_lm
 from test_fsdp_parity import ALGO, MICRO, PAD, TEMPERATURE, micro_loss, response_logprobs
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import HERE, REPO
-from spmd_rl.dist.testing import free_port
+from spmd_rl.distributed.testing import free_port
 
 pytest.importorskip("megatron.core")
 

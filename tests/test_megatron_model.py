@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MixtralConfig, Qwen2Config
 
-from spmd_rl.dist.dims import MegatronLayout
+from spmd_rl.distributed.dims import MegatronLayout
 from spmd_rl.engine.megatron.convert import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from spmd_rl.engine.megatron.engine import batch_p2p_comm_for
 from spmd_rl.engine.megatron.model import ModelSpec, check_layout

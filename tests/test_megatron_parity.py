@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from spmd_rl.config import ActorConfig, AlgoConfig, MegatronConfig
 from spmd_rl.data.batch import RolloutBatch
-from spmd_rl.dist.dims import FsdpLayout, MegatronLayout
-from spmd_rl.dist.testing import run_distributed
+from spmd_rl.distributed.dims import FsdpLayout, MegatronLayout
+from spmd_rl.distributed.testing import run_distributed
 from spmd_rl.models import resolve_model_path
 from support.numerics import max_rel, rel
 from test_fsdp_parity import ACTOR, ALGO, CHANGE_TOL, MICRO, PAD, TEMPERATURE, TOL, make_batch, micro_loss, reference_update

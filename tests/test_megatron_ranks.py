@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 
-from spmd_rl.dist.dims import MegatronLayout
+from spmd_rl.distributed.dims import MegatronLayout
 
 with warnings.catch_warnings():  # megatron-core warns that Transformer Engine / Apex are absent
     warnings.simplefilter("ignore")

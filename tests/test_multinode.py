@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from conftest import HERE, REPO
-from spmd_rl.dist.testing import free_port
+from spmd_rl.distributed.testing import free_port
 from support.launchers import STEPS, communicate_or_kill, metric_steps, rank_table, short_run
 
 LAUNCH = os.path.join(REPO, "launch")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from spmd_rl.config import ActorConfig, FsdpConfig
-from spmd_rl.dist.dims import FsdpLayout
-from spmd_rl.dist.testing import run_distributed
+from spmd_rl.distributed.dims import FsdpLayout
+from spmd_rl.distributed.testing import run_distributed
 from spmd_rl.engine.fsdp import FSDPEngine
 from spmd_rl.models import resolve_model_path
 from test_fsdp_depth import PAD, make_batch

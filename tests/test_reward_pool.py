@@ -30,7 +30,7 @@ import torch
 
 from conftest import HERE, REPO
 from spmd_rl.config import ActorConfig, Config, DataConfig, PoolsConfig, RewardConfig, RewardModelConfig, load_config
-from spmd_rl.dist.testing import free_port, run_distributed
+from spmd_rl.distributed.testing import free_port, run_distributed
 
 CACHE = os.environ["SPMD_RL_CACHE"]
 RM = RewardModelConfig(path="tiny-random-rm", micro_batch_size=2, tiny_seed=0)
@@ -76,9 +76,9 @@ class FailsOnSeven:
 
 
 def _setup(reward_ranks: int, world_size: int):
-    from spmd_rl.dist.plan import plan
-    from spmd_rl.dist.env import DistEnv
-    from spmd_rl.dist.world import build_run_groups
+    from spmd_rl.distributed.plan import plan
+    from spmd_rl.distributed.env import DistEnv
+    from spmd_rl.distributed.world import build_run_groups
 
     env = DistEnv.from_environ().init(device="cpu")
     cfg = Config(pools=PoolsConfig(reward_ranks=reward_ranks), data=DataConfig(train_batch_size=2),

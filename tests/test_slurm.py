@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import HERE, REPO
-from spmd_rl.dist.testing import free_port
+from spmd_rl.distributed.testing import free_port
 from support.launchers import STEPS, metric_steps, rank_table, short_run
 
 CLUSTER = os.path.join(HERE, "support", "slurm_cluster.sh")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from conftest import HERE, REPO
-from spmd_rl.dist.testing import free_port
+from spmd_rl.distributed.testing import free_port
 
 TINY = [
     "--model.path", "tiny-random", "--model.tiny-layers", "2", "--model.tiny-hidden", "64",

@@ -59,7 +59,7 @@ def _engine_body(rank: int, world: int, folder: str) -> dict[str, object]:
     from spmd_rl.algo.objective import actor_objective
     from spmd_rl.config import ActorConfig, AlgoConfig, FsdpConfig
     from spmd_rl.data.batch import RolloutBatch
-    from spmd_rl.dist.dims import FsdpLayout
+    from spmd_rl.distributed.dims import FsdpLayout
     from spmd_rl.engine.fsdp import FSDPEngine
 
     ulysses._flash_varlen = reference_varlen  # this spawned worker's stand-in for the CUDA kernel
@@ -93,7 +93,7 @@ def _engine_body(rank: int, world: int, folder: str) -> dict[str, object]:
 
 
 def test_engine_flash_layout_and_chunked_head_match_the_cpu_path() -> None:
-    from spmd_rl.dist.testing import run_distributed
+    from spmd_rl.distributed.testing import run_distributed
     from spmd_rl.models import resolve_model_path
 
     folder = resolve_model_path("tiny-random", cache_dir=None, tiny=None)

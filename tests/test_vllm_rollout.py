@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 from conftest import HERE, REPO
-from spmd_rl.dist.dims import RolloutLayout
-from spmd_rl.dist.testing import free_port
+from spmd_rl.distributed.dims import RolloutLayout
+from spmd_rl.distributed.testing import free_port
 
 VLLM_PYTHON = os.environ.get("SPMD_RL_VLLM_PYTHON",
                              os.path.expanduser("~/.cache/spmd_rl/vllm-venv/bin/python"))

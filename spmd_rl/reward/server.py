@@ -9,7 +9,7 @@
     groups.exchange.close(error)                                   # stop, or abort with the error
 
 Each round (one per scoring call of the trainer) every global rank sends its rows split over the
-reward ranks (:class:`spmd_rl.dist.comm.PoolExchange`); the reward ranks agree over their own
+reward ranks (:class:`spmd_rl.distributed.comm.PoolExchange`); the reward ranks agree over their own
 group on the largest row count (FSDP needs the same number of forwards on every rank) and on any
 error, score, and answer each global rank with its rows' scores. Between rounds a reward rank waits
 in a blocking gloo receive: no busy CPU and, on GPU, nothing but the (optionally offloaded) model.
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from spmd_rl.config import RewardModelConfig
-from spmd_rl.dist.comm import Inbound, PoolExchange, RemoteFailure, all_gather_objects
+from spmd_rl.distributed.comm import Inbound, PoolExchange, RemoteFailure, all_gather_objects
 from spmd_rl.reward.model import RewardModel, resolve_reward_model
 from spmd_rl.reward.registry import RewardError
 

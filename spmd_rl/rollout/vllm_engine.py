@@ -11,7 +11,7 @@
 Every rank of the world builds its ``vllm.LLM(..., distributed_executor_backend="external_launcher")``
 at the same time, after ``torch.distributed`` is initialised: vLLM then reuses the default process
 group and lays its own groups over the whole world as ``(external dp, pp, tp)`` with tp fastest,
-which is :class:`spmd_rl.dist.dims.RolloutLayout` (``tests/test_vllm_rollout.py`` checks it). The
+which is :class:`spmd_rl.distributed.dims.RolloutLayout` (``tests/test_vllm_rollout.py`` checks it). The
 ranks of one tp x pp group must submit the same requests with the same seeds: vLLM's scheduler is
 deterministic, so each of them then holds the same outputs (the trainer keeps a share per rank).
 Different replicas (rollout dp ranks) generate independently.

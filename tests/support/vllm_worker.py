@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from spmd_rl.config import FsdpConfig  # noqa: E402
 from spmd_rl.data.batch import RolloutBatch  # noqa: E402
-from spmd_rl.dist.dims import FsdpLayout, RolloutLayout  # noqa: E402
+from spmd_rl.distributed.dims import FsdpLayout, RolloutLayout  # noqa: E402
 from spmd_rl.engine.fsdp import FSDPEngine  # noqa: E402
 from spmd_rl.models import load_causal_lm, load_tokenizer, resolve_model_path  # noqa: E402
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from spmd_rl.config import ActorConfig, MegatronConfig
 from spmd_rl.data.batch import RolloutBatch
-from spmd_rl.dist.dims import MegatronLayout
+from spmd_rl.distributed.dims import MegatronLayout
 from spmd_rl.engine import packing
 from spmd_rl.engine.fsdp import LossFn, lr_lambda
 from spmd_rl.engine.megatron.convert import export_hf_weights, load_hf_weights

@@ -1,5 +1,5 @@
 """megatron-core's process groups for the actor, built from ``actor.megatron`` and checked against
-our own pure layout (:class:`spmd_rl.dist.dims.MegatronLayout`).
+our own pure layout (:class:`spmd_rl.distributed.dims.MegatronLayout`).
 
     init_model_parallel(layout, seed=cfg.trainer.seed)   # collective over the world, once per process
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from spmd_rl.dist.dims import MegatronLayout
+from spmd_rl.distributed.dims import MegatronLayout
 
 
 def init_model_parallel(layout: MegatronLayout, *, seed: int) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spmd_rl.dist.dims import MegatronLayout
+from spmd_rl.distributed.dims import MegatronLayout
 from spmd_rl.models import sliding_window
 
 TE_INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]'  (needs CUDA and a matching torch)"

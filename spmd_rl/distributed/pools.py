@@ -19,7 +19,7 @@ reference and rollout. ``pools.reward_ranks=N`` moves the last N ranks into a ``
 Pools never overlap.
 
 ``build_mesh`` / ``build_groups`` create a DeviceMesh or process groups over a range of global
-ranks; the layouts of :mod:`spmd_rl.dist.dims` use them in their ``build()``.
+ranks; the layouts of :mod:`spmd_rl.distributed.dims` use them in their ``build()``.
 """
 
 from __future__ import annotations

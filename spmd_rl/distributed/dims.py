@@ -8,7 +8,7 @@ flag and the numbers, so every rule is testable for any world size in one proces
     UlyssesLayout(size=8, sp=2).coords(3)               # {'dp': 1, 'sp': 1}
     MegatronLayout(size=16, tp=2, pp=2).coords(5)       # tp=1, dp=2, pp=0, ...
 
-:func:`spmd_rl.dist.plan.plan` validates all layouts of a run together.
+:func:`spmd_rl.distributed.plan.plan` validates all layouts of a run together.
 
 ``build()`` creates the real objects later. It is collective over the WHOLE world even for a pool
 that is a subset of it (``torch.distributed.new_group`` and ``DeviceMesh`` creation must be called
@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from spmd_rl.dist.pools import GLOBAL, build_groups, build_mesh
+from spmd_rl.distributed.pools import GLOBAL, build_groups, build_mesh
 
 if TYPE_CHECKING:
     from datetime import timedelta

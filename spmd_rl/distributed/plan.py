@@ -6,7 +6,7 @@ group exists.
 
 The trainer, ``python -m spmd_rl.train`` (before the first group) and the layout tool
 (``python -m spmd_rl.layout``) all call :func:`plan`; the layouts themselves live in
-:mod:`spmd_rl.dist.dims`.
+:mod:`spmd_rl.distributed.dims`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spmd_rl.dist.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
-from spmd_rl.dist.pools import REWARD, PoolSpec, get_spec, member_of, plan_pools
+from spmd_rl.distributed.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
+from spmd_rl.distributed.pools import REWARD, PoolSpec, get_spec, member_of, plan_pools
 
 if TYPE_CHECKING:
     from spmd_rl.config import Config

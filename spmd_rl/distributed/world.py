@@ -1,6 +1,6 @@
 """The run's process groups, built once on every rank of the world before the pools part ways.
 
-    run_plan = plan(cfg, env.world_size, env.local_world_size)     # spmd_rl.dist.plan
+    run_plan = plan(cfg, env.world_size, env.local_world_size)     # spmd_rl.distributed.plan
     groups = build_run_groups(run_plan, env, close_timeout_s=60)   # collective over the whole world
     if groups.in_reward_pool: ... RewardServer ...           # spmd_rl.train dispatches here
     else: Trainer(cfg, env, groups=groups)
@@ -16,15 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from spmd_rl.dist.comm import PoolExchange
-from spmd_rl.dist.env import DistEnv, gather_rank_table
-from spmd_rl.dist.pools import GLOBAL, REWARD, Pools
+from spmd_rl.distributed.comm import PoolExchange
+from spmd_rl.distributed.env import DistEnv, gather_rank_table
+from spmd_rl.distributed.pools import GLOBAL, REWARD, Pools
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-    from spmd_rl.dist.plan import Plan
+    from spmd_rl.distributed.plan import Plan
 
 
 @dataclass
