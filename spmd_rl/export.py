@@ -8,7 +8,7 @@
 
 It reads only the ``actor.model`` entries of the DCP checkpoint (whole tensors stitched from every
 rank's shards, whatever the world size that saved them; no process group), or for the megatron
-engine the ``actor.hf`` copy it saves under HF names, writes
+engine the ``hf`` copy its checkpoints hold under HF names (``actor.hf`` in older ones), writes
 ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``
 when the weights exceed ``--max-shard-size``) and copies the config and tokenizer files that the
 checkpoint keeps in ``hf/``. ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` then loads the
@@ -31,7 +31,10 @@ import torch
 from spmd_rl.checkpoint_files import load_without_process_group, read_meta, resolve_checkpoint
 
 MODEL_KEY = "actor.model"
-HF_COPY_KEY = "actor.hf"
+HF_COPY_KEY = "hf"
+"""The full HF-named weights a megatron actor's checkpoint holds (``Checkpointer.track(export=...)``)."""
+OLD_HF_COPY_KEY = "actor.hf"
+"""Where checkpoints written before ``hf`` existed kept that copy."""
 DEFAULT_MAX_SHARD = "5GB"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,13 +55,13 @@ def parse_size(size: str | int) -> int:
 def load_model_state(ckpt: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The actor's full HF-named tensors from a checkpoint folder (or run / checkpoints folder):
     the FSDP engine's sharded weights (``actor.model``), or the HF copy that the megatron engine
-    saves next to its own shards (``actor.hf``)."""
+    saves next to its own shards (``hf``)."""
     folder = resolve_checkpoint(ckpt)
-    state = load_without_process_group(folder, [MODEL_KEY, HF_COPY_KEY])
+    state = load_without_process_group(folder, [MODEL_KEY, HF_COPY_KEY, OLD_HF_COPY_KEY])
     actor = state.get("actor", {})
-    for key in ("model", "hf"):
-        if actor.get(key):
-            return actor[key]
+    for found in (actor.get("model"), state.get(HF_COPY_KEY), actor.get("hf")):
+        if found:
+            return found
     raise ValueError(f"{folder} holds no {MODEL_KEY} or {HF_COPY_KEY} entries; top-level entries: {sorted(state)}, "
                      f"actor entries: {sorted(actor)}")
 

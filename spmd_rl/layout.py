@@ -1,6 +1,6 @@
 """Print every rank's pools, mesh coordinates and groups for a config, with no processes started.
 
-    python -m spmd_rl.layout --config configs/X.yaml --world-size 16 --nproc-per-node 8
+    python -m spmd_rl.layout --config configs/gsm8k.yaml --world-size 16 --nproc-per-node 8
     python -m spmd_rl.layout --actor.engine megatron --actor.megatron.tp 2 --world-size 8 --json
 
 Takes every flag of ``spmd_rl.train`` (same config loading) plus its own. It runs the same
@@ -64,9 +64,10 @@ def describe(p: Plan) -> dict[str, Any]:
         "nproc_per_node": p.nproc_per_node,
         "engine": p.engine,
         "pools": [{"name": s.name, "start": s.start, "size": s.size} for s in p.pools],
-        "actor_dp_size": p.actor_dp_size,
+        "actor_dp_size": p.dp_size,
         "rollout_dp_size": p.rollout_dp_size,
         "unavailable": dict(p.unavailable),
+        "warnings": list(p.warnings),
         "ranks": ranks,
         "groups": groups,
     }
@@ -95,13 +96,15 @@ def render(p: Plan) -> str:
     out = []
     nodes = f" = {p.num_nodes} nodes x {p.nproc_per_node} processes" if p.nproc_per_node else ""
     out.append(f"world size {p.world_size}{nodes}; actor engine {p.engine}; "
-               f"actor data-parallel size {p.actor_dp_size}; rollout data-parallel size {p.rollout_dp_size}")
+               f"actor data-parallel size {p.dp_size}; rollout data-parallel size {p.rollout_dp_size}")
     out.append("pools: " + "; ".join(f"{s.name} = global ranks {s.start}..{s.end - 1} ({s.size})" for s in p.pools))
     for name, why in p.unavailable.items():
         out.append(f"{name}: n/a ({why})")
+    for warning in p.warnings:
+        out.append(f"warning: {warning}")
     out.append("")
     # the tables show the engine in use; --json has every valid layout
-    other = ("megatron",) if p.engine == "fsdp" else ("fsdp", "ulysses")
+    other = sorted(k for k in p.layouts_by_name if k not in p.actor_meshes)
     layouts = {k: v for k, v in p.layouts().items() if k not in other}
     if len(layouts) < len(p.layouts()):
         out.append(f"({'/'.join(other)} left out: the actor engine is {p.engine}; --json lists every layout)")

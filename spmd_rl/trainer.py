@@ -16,6 +16,13 @@ else is symmetric. Per step:
 5. ref       frozen reference log-probs (when the KL loss is on);
 6. adv       group advantages, local since all n responses of a prompt are on one rank;
 7. update    mini-batches x micro-batches with global token normalisation.
+
+Every stage runs under a timer (``timing_s/<stage>``), which is also a ``stage/<name>`` profiler
+range for ``trainer.profile_steps`` (:mod:`spmd_rl.profiling`). Metrics are accumulated locally and
+reduced over the pool once per step; the update's loss metrics stay device tensors until their
+mini-batch ends and are then read in one device-to-host copy (no sync per micro-batch). Validation
+(greedy answers on the held-out prompts) runs before the first step, every ``trainer.val_every``
+steps and after the last.
 """
 
 from __future__ import annotations
@@ -25,28 +32,31 @@ import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from spmd_rl.algo.objective import actor_objective, compute_advantages
-from spmd_rl.checkpoint import Checkpointer
+from spmd_rl.checkpoint import Checkpointer, checkpoint_bytes
+from spmd_rl.checkpoint_files import model_parameters
 from spmd_rl.config import Config, to_dict, to_yaml
 from spmd_rl.data import build_prompts
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.data.prompts import render_prompts
 from spmd_rl.data.sampler import PromptSampler
-from spmd_rl.distributed.plan import plan
 from spmd_rl.distributed.comm import all_gather_objects, broadcast_object, fail_together, relayout
 from spmd_rl.distributed.env import DistEnv, format_rank_table
+from spmd_rl.distributed.plan import Plan, plan
+from spmd_rl.distributed.pools import GLOBAL
 from spmd_rl.distributed.world import RunGroups, build_run_groups
-from spmd_rl.engine.fsdp import FSDPEngine
+from spmd_rl.engine import build_engine, engine_spec
 from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, grpo_step_flops, peak_flops, phase_mfu
-from spmd_rl.models import FlopsModel, load_tokenizer, resolve_model_path
+from spmd_rl.models import FlopsModel, eos_token_ids, load_tokenizer, resolve_model_path
 from spmd_rl.profiling import STAGE_PREFIX, format_stage_times, profiled, stage_times
 from spmd_rl.reward.run import build_run_reward
-from spmd_rl.rollout import build_rollout
+from spmd_rl.rollout import build_rollout_from_config
 
 log = logging.getLogger("spmd_rl")
 
@@ -63,154 +73,134 @@ class StageTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank's rows are in the rollout and the actor layouts (global-pool-local ranks).
+
+    The tp x pp ranks of one rollout replica generate the same rows and each keeps a contiguous
+    share (its ``mp`` rank), so the rank order (dp, mp) = pool rank order is the global row order.
+    The actor's dp ranks then take their rows from that order (:func:`relayout`)."""
+
+    rollout_dp: int
+    rollout_dp_size: int
+    rollout_mp: int
+    rollout_mp_size: int
+    actor_dp: int
+    actor_dp_size: int
+    sum_weight: float
+    """1.0 on the one rank of each actor dp group that adds its rows to sums over the pool, else 0.0."""
+
+    @classmethod
+    def of(cls, p: Plan, rank: int) -> Placement:
+        c = p.rollout.coords(rank)
+        return cls(rollout_dp=c["dp"], rollout_dp_size=p.rollout_dp_size, rollout_mp=c["pp"] * p.rollout.tp + c["tp"],
+                   rollout_mp_size=p.rollout.tp * p.rollout.pp, actor_dp=p.dp_rank(rank), actor_dp_size=p.dp_size,
+                   sum_weight=float(p.counts_in_sums(rank)))
+
+    def rollout_source(self, rank: int, pool_size: int) -> tuple[int, int]:
+        """Rows' origin for :func:`relayout`: the replica (one model per rank) or the rank's own share."""
+        return (rank, pool_size) if self.rollout_mp_size > 1 else (self.rollout_dp, self.rollout_dp_size)
+
+
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv, groups: RunGroups | None = None) -> None:
         """``groups``: the run's pools and meshes, built on every rank of the world (by
         ``spmd_rl.train``, before the reward ranks go to their own loop); built here when None."""
-        self.cfg = cfg
-        self.env = env
-        self.plan = plan(cfg, env.world_size, env.local_world_size) if groups is None else groups.plan
-        if cfg.rollout.backend == "native" and cfg.rollout.tp * cfg.rollout.pp > 1:
-            raise ValueError(
-                f"rollout.tp ({cfg.rollout.tp}) * rollout.pp ({cfg.rollout.pp}) > 1 needs a sharded rollout "
-                "engine; the native engine holds a whole model per rank: use --rollout.tp 1 --rollout.pp 1 "
-                "or --rollout.backend vllm"
-            )
-        groups = groups or build_run_groups(self.plan, env)
-        self.pools = groups.pools
-        self.pool = self.pools.get("global")
+        self.cfg, self.env = cfg, env
+        groups = groups or build_run_groups(plan(cfg, env.world_size, env.local_world_size), env)
+        self.plan, self.pool = groups.plan, groups.pools.get(GLOBAL)
         self.group = self.pool.group
-        rows = groups.rank_table
+        self.place = Placement.of(self.plan, self.pool.rank)
         # Picks the checkpoint to resume from (and trims metrics.jsonl) before the sink opens it.
         self.checkpointer = Checkpointer(checkpoint=cfg.checkpoint, output_dir=cfg.trainer.output_dir,
-                                         total_steps=cfg.trainer.total_steps, rank_table=rows,
+                                         total_steps=cfg.trainer.total_steps, rank_table=groups.rank_table,
                                          config=to_dict(cfg), device=env.device, group=self.group)
-        self.sink = RunSink(logging_cfg=cfg.logging, output_dir=cfg.trainer.output_dir,
-                            total_steps=cfg.trainer.total_steps, start_step=self.checkpointer.start_step,
-                            config_dict=to_dict(cfg)) if env.is_main else NullSink()
-        self.sink.info("rank table\n" + format_rank_table(rows))
-        if env.is_main:
-            os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-            with open(os.path.join(cfg.trainer.output_dir, "config.yaml"), "w") as f:
-                f.write(to_yaml(cfg))
-            self.sink.info("resolved config\n" + to_yaml(cfg))
-
+        self.sink = self._open_sink(groups.rank_table)
         with fail_together(group=self.group, what="model and data setup"):
-            tiny = dict(layers=cfg.model.tiny_layers, hidden=cfg.model.tiny_hidden, heads=cfg.model.tiny_heads,
-                        kv_heads=cfg.model.tiny_kv_heads, seed=cfg.model.tiny_seed)
-            self.model_folder = resolve_model_path(cfg.model.path, cache_dir=cfg.model.cache_dir, tiny=tiny)
-            self.tokenizer = load_tokenizer(self.model_folder, trust_remote_code=cfg.model.trust_remote_code)
-            train, val = build_prompts(cfg.data)
-            self.train_samples, self.train_ids, dropped = render_prompts(
-                train, self.tokenizer, system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
-            self.val_samples, self.val_ids, val_dropped = render_prompts(
-                val, self.tokenizer, system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
+            self._load_model_and_prompts()
             self.reward = build_run_reward(
                 reward=cfg.reward, task=cfg.data.task, system_prompt=cfg.data.system_prompt,
                 actor_tokenizer=self.tokenizer, group=self.group, mesh=groups.actor_mesh, exchange=groups.exchange,
                 device=env.device, cache_dir=cfg.model.cache_dir)
+        self.mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+        self.updates_per_step = self.mini_batches * cfg.actor.ppo_epochs
+        torch.manual_seed(cfg.trainer.seed)
+        engines = dict(actor=cfg.actor, ref=cfg.ref, model=cfg.model, seed=cfg.trainer.seed, groups=groups,
+                       model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
+                       total_updates=cfg.trainer.total_steps * self.updates_per_step)
+        self.actor = build_engine("actor", **engines)
+        self.ref = build_engine("ref", **engines) if cfg.algo.use_kl_loss else None
+        self.rollout = build_rollout_from_config(
+            cfg.rollout, model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
+            eos_token_ids=self.eos_ids, trust_remote_code=cfg.model.trust_remote_code,
+            max_prompt_length=cfg.data.max_prompt_length,  # seed: one per replica, shared by its ranks
+            seed=cfg.trainer.seed * 1_000_003 + self.place.rollout_dp)
+        self.policy_version = self.rollout_version = 0  # actor updates so far / those the rollout holds
+        # Old log-probs: needed for several optimizer steps per batch, and by the IS correction
+        # (the trainer's own log-probs of the sampling policy).
+        self.need_old_logprobs = self.updates_per_step > 1 or cfg.algo.rollout_is != "none"
+        self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
+        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.step = 0
+        self.checkpointer.track(model_folder=self.model_folder, export=self.actor.export_weights,
+                                actor=self.actor, sampler=self.sampler)
+        self.checkpointer.check_writable(checkpoint_bytes(  # before the first step, not at the first save
+            model_parameters(self.model_folder), hf_copy=engine_spec(cfg.actor.engine).export_copy))
+
+    def _open_sink(self, rank_table: list[dict]) -> RunSink | NullSink:
+        """Rank 0's console / JSONL / wandb sink (a no-op elsewhere); writes ``config.yaml``."""
+        cfg = self.cfg
+        if not self.env.is_main:
+            return NullSink()
+        sink = RunSink(logging_cfg=cfg.logging, output_dir=cfg.trainer.output_dir, total_steps=cfg.trainer.total_steps,
+                       start_step=self.checkpointer.start_step, config_dict=to_dict(cfg),
+                       start_elapsed_s=self.checkpointer.start_elapsed_s)
+        sink.info("rank table\n" + format_rank_table(rank_table))
+        sink.write_config(to_yaml(cfg), print_all=cfg.logging.print_config)
+        return sink
+
+    def _load_model_and_prompts(self) -> None:
+        cfg = self.cfg
+        self.model_folder = resolve_model_path(cfg.model.path, cache_dir=cfg.model.cache_dir)
+        self.tokenizer = load_tokenizer(self.model_folder, trust_remote_code=cfg.model.trust_remote_code)
+        self.pad_id, self.eos_ids = int(self.tokenizer.pad_token_id), eos_token_ids(self.tokenizer)
+        train, val = build_prompts(cfg.data)
+        render = dict(system_prompt=cfg.data.system_prompt, max_prompt_length=cfg.data.max_prompt_length)
+        self.train_samples, self.train_ids, dropped = render_prompts(train, self.tokenizer, **render)
+        self.val_samples, self.val_ids, val_dropped = render_prompts(val, self.tokenizer, **render)
         if dropped or val_dropped:
             self.sink.info(f"dropped {dropped} training and {val_dropped} validation prompts longer than "
                            f"data.max_prompt_length={cfg.data.max_prompt_length} tokens")
         if len(self.train_samples) < cfg.data.train_batch_size:
             raise ValueError(f"only {len(self.train_samples)} training prompts for data.train_batch_size="
                              f"{cfg.data.train_batch_size}")
-        self.pad_id = int(self.tokenizer.pad_token_id)
-        self.eos_ids = _eos_ids(self.tokenizer)
         self.sampler = PromptSampler(len(self.train_samples), cfg.data.train_batch_size, cfg.data.seed)
-
-        # Engines. Rollout is (dp, tp=1, pp=1) over the pool; the actor's data-parallel ranks are
-        # the Ulysses dp coordinates (pool rank // ulysses_size), so with sp > 1 the relayout in
-        # fit() hands every sp rank of a dp group the same rows (identity when sp == 1).
-        torch.manual_seed(cfg.trainer.seed)
-        dev = env.device
-        self.mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
-        self.updates_per_step = self.mini_batches * cfg.actor.ppo_epochs
-        mesh = groups.actor_mesh
-        layout = dict(group=self.group, sp_group=groups.sp_group, use_packing=cfg.actor.use_packing,
-                      max_tokens_per_gpu=cfg.actor.max_tokens_per_gpu)
-        if cfg.actor.engine == "megatron":  # same interface; actor and reference share megatron's groups
-            from spmd_rl.engine.megatron import MegatronEngine
-
-            common = dict(model_folder=self.model_folder, device=dev, layout=self.plan.megatron,
-                          megatron=cfg.actor.megatron, trust_remote_code=cfg.model.trust_remote_code,
-                          pad_token_id=self.pad_id, seed=cfg.trainer.seed)
-            self.actor = MegatronEngine(actor=cfg.actor, total_updates=cfg.trainer.total_steps * self.updates_per_step,
-                                        trainable=True, **common)
-            self.ref = MegatronEngine(trainable=False, **common) if cfg.algo.use_kl_loss else None
-        else:
-            self.actor = FSDPEngine(
-                model_folder=self.model_folder, mesh=mesh, device=dev, fsdp=cfg.actor.fsdp, actor=cfg.actor,
-                total_updates=cfg.trainer.total_steps * self.updates_per_step, trainable=True,
-                gradient_checkpointing=cfg.model.gradient_checkpointing,
-                trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id, **layout,
-            )
-            self.ref = None
-            if cfg.algo.use_kl_loss:
-                self.ref = FSDPEngine(
-                    model_folder=self.model_folder, mesh=mesh, device=dev, fsdp=cfg.actor.fsdp, trainable=False,
-                    trust_remote_code=cfg.model.trust_remote_code, pad_token_id=self.pad_id,
-                    param_offload=cfg.ref.param_offload, **layout,
-                )
-        self.rollout_dp = self.plan.rollout_dp_rank(self.pool.rank)
-        self.rollout_dp_size = self.plan.rollout_dp_size
-        # The tp x pp ranks of one rollout replica generate the same rows; each keeps a contiguous
-        # share (mp rank), so rank order (dp, mp) = pool rank order is the global row order.
-        coords = self.plan.rollout.coords(self.pool.rank)
-        self.rollout_mp_size = cfg.rollout.tp * cfg.rollout.pp
-        self.rollout_mp = coords["pp"] * cfg.rollout.tp + coords["tp"]
-        self.rollout_src = ((self.pool.rank, self.pool.size) if self.rollout_mp_size > 1
-                            else (self.rollout_dp, self.rollout_dp_size))
-        options: dict[str, object] = {"compile_decode": None if cfg.rollout.compile_decode else False}
-        if cfg.rollout.backend == "vllm":  # seed: the same inside a replica, different across replicas
-            options = dict(tp=cfg.rollout.tp, pp=cfg.rollout.pp, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                           max_model_len=cfg.rollout.max_model_len or cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-                           seed=cfg.trainer.seed * 1_000_003 + self.rollout_dp)
-        self.rollout = build_rollout(
-            cfg.rollout.backend, model_folder=self.model_folder, device=dev,
-            dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
-            batch_size=cfg.rollout.batch_size, pad_token_id=self.pad_id, eos_token_ids=self.eos_ids,
-            trust_remote_code=cfg.model.trust_remote_code, **options,
-        )
-        self.weights_stale = False
-        # Old log-probs: needed for several optimizer steps per batch, and by the IS correction
-        # (the trainer's own log-probs of the sampling policy).
-        self.need_old_logprobs = self.updates_per_step > 1 or cfg.algo.rollout_is != "none"
-        self.actor_dp = self.plan.actor_dp_rank(self.pool.rank)
-        self.actor_dp_size = self.plan.actor_dp_size
-        # The sp ranks of a dp group hold the same rows: only sp rank 0 adds them to sums over the
-        # pool (token counts for the loss, summed metrics); weighted means are unaffected.
-        self.sum_weight = 1.0 if self.plan.ulysses.coords(self.pool.rank)["sp"] == 0 else 0.0
-        if cfg.actor.engine == "megatron":  # tp/cp/pp ranks share rows: count on tp 0 of the last stage (loss_fn runs there)
-            c, mp = self.plan.megatron.coords(self.pool.rank), self.plan.megatron
-            self.sum_weight = float(c["tp"] == 0 and c["cp"] == 0 and c["pp"] == mp.pp - 1)
-        self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
-        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        self.step = 0
-        self.checkpointer.track(model_folder=self.model_folder, actor=self.actor, sampler=self.sampler)
 
     # ================================================================== the loop
     def fit(self) -> dict[str, float]:
         cfg = self.cfg.trainer
         last: dict[str, float] = {}
-        self.step = self.checkpointer.resume()
-        # Resumed actor weights differ from the rollout's base copy: hot-swap before generating.
-        self.weights_stale = self.step > 0
+        self.step = self.policy_version = self.checkpointer.resume()  # resumed weights: the rollout syncs first
         if cfg.val_every and self.step == 0:  # a resumed run validated this step before saving it
             self.sink.log(self.validate(), self.step)
         while self.step < cfg.total_steps:
             self.step += 1
+            self.sink.step_started(self.step, self.env.device)
             timer = StageTimer()
             acc = MetricAccumulator()
             trace = os.path.join(cfg.output_dir, "profile", f"step{self.step}_rank{self.env.rank}.json.gz")
             profiling = profiled(self.env.device, trace) if self.step in cfg.profile_steps else nullcontext()
             with profiling as prof, timer("step"):
+                with timer("weight_sync"):
+                    self.sync_weights()
                 with timer("gen"):
-                    batch = self.generate(acc, timer)
+                    batch = self.generate(acc)
                 with timer("reward"):
                     self.score(batch, acc)
-                batch = relayout(batch, src=self.rollout_src,
-                                 dst=(self.actor_dp, self.actor_dp_size), group=self.group, pad_token_id=self.pad_id)
+                with timer("relayout"):
+                    batch = relayout(batch, src=self.place.rollout_source(self.pool.rank, self.pool.size),
+                                     dst=(self.place.actor_dp, self.place.actor_dp_size), group=self.group,
+                                     pad_token_id=self.pad_id)
                 with timer("old_logprob"):
                     self.old_logprobs(batch, acc)
                 with timer("ref"):
@@ -231,21 +221,20 @@ class Trainer:
         return last
 
     # ================================================================== stages
-    def generate(self, acc: MetricAccumulator, timer: StageTimer) -> RolloutBatch:
+    def generate(self, acc: MetricAccumulator) -> RolloutBatch:
         indices = broadcast_object(self.sampler.next_batch() if self.env.is_main else None,
                                    src=self.pool.spec.start, group=self.group)
         if not self.env.is_main:
             self.sampler.next_batch()  # keep every rank's sampler in step, for checkpoints
-        per_rank = len(indices) // self.rollout_dp_size
-        mine = list(range(self.rollout_dp * per_rank, (self.rollout_dp + 1) * per_rank))
-        with timer("weight_sync"):
-            self.sync_weights()
+        dp, dp_size = self.place.rollout_dp, self.place.rollout_dp_size
+        per_rank = len(indices) // dp_size
+        mine = list(range(dp * per_rank, (dp + 1) * per_rank))
         self.rollout.wake_up()
         out = self.rollout.generate(
             [self.train_ids[indices[i]] for i in mine], n=self.cfg.rollout.n,
             temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p, top_k=self.cfg.rollout.top_k,
             max_new_tokens=self.cfg.rollout.max_new_tokens,
-            seed=self.cfg.trainer.seed * 1_000_003 + self.step * 7919 + self.rollout_dp,
+            seed=self.cfg.trainer.seed * 1_000_003 + self.step * 7919 + dp,
         )
         self.rollout.sleep(self.cfg.rollout.sleep_level)
         n = self.cfg.rollout.n
@@ -261,9 +250,10 @@ class Trainer:
             },
             extras={"sample": [indices[i] for i in rows]},
         )
-        if self.rollout_mp_size > 1:  # every rank of the replica holds these rows: keep a share
-            share = len(batch) // self.rollout_mp_size
-            batch = batch.select(range(self.rollout_mp * share, (self.rollout_mp + 1) * share))
+        mp, mp_size = self.place.rollout_mp, self.place.rollout_mp_size
+        if mp_size > 1:  # every rank of the replica holds these rows: keep a share
+            share = len(batch) // mp_size
+            batch = batch.select(range(mp * share, (mp + 1) * share))
         lengths = batch["response_mask"].sum(1)
         for length in lengths.tolist():
             acc.add("response_length/mean", length)
@@ -275,12 +265,13 @@ class Trainer:
         return batch
 
     def sync_weights(self) -> None:
-        """Hot-swap: stream the actor's full tensors into the rollout engine (all ranks together)."""
-        if not self.weights_stale and not self.rollout.needs_weights:
+        """Hot-swap: stream the actor's full tensors into the rollout engine (all ranks together), when
+        the rollout holds an older policy version or dropped its weights (a level-2 sleep)."""
+        if self.rollout_version == self.policy_version and not self.rollout.needs_weights:
             return
         dtype = torch.bfloat16 if self.env.device.type == "cuda" else None
         self.rollout.load_weights(self.actor.named_full_tensors(dtype=dtype))
-        self.weights_stale = False
+        self.rollout_version = self.policy_version
 
     def score(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
         samples = [self.train_samples[i] for i in batch.extras["sample"]]
@@ -332,7 +323,7 @@ class Trainer:
         for _epoch in range(cfg.actor.ppo_epochs):
             for mini in batch.chunks(self.mini_batches):
                 counts = torch.tensor([mini["response_mask"].sum().item(), float(len(mini))],
-                                      dtype=torch.float64) * self.sum_weight
+                                      dtype=torch.float64) * self.place.sum_weight
                 if dist.get_world_size(self.group) > 1:
                     dist.all_reduce(counts, group=self.group)
                 global_tokens, global_seqs = counts.tolist()
@@ -362,7 +353,7 @@ class Trainer:
                                          for _, v, t in pending]).tolist()
                     for (key, _, tokens), (value, weight) in zip(pending, pairs):
                         if tokens is None:  # global parts
-                            acc.add_sum(key, value * self.sum_weight / self.updates_per_step)
+                            acc.add_sum(key, value * self.place.sum_weight / self.updates_per_step)
                         else:
                             acc.add(key, value, weight)
                 # grad_norm and lr are identical on every rank; weight 1 per rank keeps the mean exact.
@@ -372,17 +363,17 @@ class Trainer:
                 acc.add("actor/skipped_updates", skipped * self.updates_per_step)  # mean x count = count
                 acc.add("actor/lr", stats["lr"])
         self.actor.offload()  # params / optimizer state to CPU if configured (no-op on CPU runs)
-        self.weights_stale = True
+        self.policy_version += 1
 
     # ================================================================== metrics, validation
     def finish_step(self, batch: RolloutBatch, acc: MetricAccumulator, timer: StageTimer) -> dict[str, float]:
         mask = batch["response_mask"]
-        acc.add_sum("perf/total_tokens", (mask.sum().item() + sum(len(p) for p in batch.prompts)) * self.sum_weight)
+        acc.add_sum("perf/total_tokens", (mask.sum().item() + sum(len(p) for p in batch.prompts)) * self.place.sum_weight)
         phases = grpo_step_flops(self.flops, [len(p) for p in batch.prompts], mask.sum(1).long().tolist(),
                                  old_logprob=self.need_old_logprobs, ref=self.ref is not None,
                                  ppo_epochs=self.cfg.actor.ppo_epochs)
         for phase, flops in phases.items():
-            acc.add_sum(f"perf/flops/{phase}", flops * self.sum_weight)
+            acc.add_sum(f"perf/flops/{phase}", flops * self.place.sum_weight)
         metrics = acc.reduce(self.group)
         flops = {phase: metrics.pop(f"perf/flops/{phase}") for phase in phases}
         for name, seconds in timer.seconds.items():
@@ -402,8 +393,9 @@ class Trainer:
         if not self.val_samples:
             return {}
         self.sync_weights()
-        share = math.ceil(len(self.val_samples) / self.rollout_dp_size)
-        mine = list(range(self.rollout_dp * share, min((self.rollout_dp + 1) * share, len(self.val_samples))))
+        dp, mp, mp_size = self.place.rollout_dp, self.place.rollout_mp, self.place.rollout_mp_size
+        share = math.ceil(len(self.val_samples) / self.place.rollout_dp_size)
+        mine = list(range(dp * share, min((dp + 1) * share, len(self.val_samples))))
         self.rollout.wake_up()
         prompt_ids = [self.val_ids[i] for i in mine]
         responses: list[list[int]] = []
@@ -412,9 +404,9 @@ class Trainer:
                 prompt_ids, n=1, temperature=self.cfg.rollout.val_temperature,
                 top_p=1.0, top_k=0, max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)
             responses = [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)]
-        if self.rollout_mp_size > 1:  # the replica's ranks got the same answers: each scores a share
-            part = math.ceil(len(mine) / self.rollout_mp_size)
-            keep = range(self.rollout_mp * part, min((self.rollout_mp + 1) * part, len(mine)))
+        if mp_size > 1:  # the replica's ranks got the same answers: each scores a share
+            part = math.ceil(len(mine) / mp_size)
+            keep = range(mp * part, min((mp + 1) * part, len(mine)))
             mine, prompt_ids, responses = ([xs[i] for i in keep] for xs in (mine, prompt_ids, responses))
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True) if responses else []  # [] -> ['']
         # every rank scores, also with no prompts: scoring is collective (fail_together, reward model)
@@ -430,12 +422,4 @@ class Trainer:
     def close(self) -> None:
         self.sink.close()
         self.rollout.close()
-
-
-def _eos_ids(tokenizer) -> list[int]:
-    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
-    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok) if tok in tokenizer.get_vocab() else None
-        if tid is not None:
-            ids.add(int(tid))
-    return sorted(ids)
+        self.checkpointer.close()  # releases the output folder's lock

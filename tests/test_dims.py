@@ -9,7 +9,8 @@ import itertools
 
 import pytest
 
-from spmd_rl.config import ActorConfig, Config, DataConfig, FsdpConfig, MegatronConfig, PoolsConfig, RolloutConfig
+from spmd_rl.config import (ActorConfig, Config, DataConfig, FsdpConfig, MegatronConfig, PoolsConfig, RewardConfig,
+                            RewardModelConfig, RolloutConfig)
 from spmd_rl.distributed.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
 from spmd_rl.distributed.plan import plan
 from spmd_rl.distributed.pools import PoolSpec, get_spec, member_of, plan_pools
@@ -261,17 +262,18 @@ def make_cfg(*, train: int = 8, mini: int = 8, fsdp_size: int = -1, sp: int = 1,
              engine: str = "fsdp", reward: int = 0, **mega: int) -> Config:
     return Config(
         data=DataConfig(train_batch_size=train),
-        rollout=RolloutConfig(tp=rtp, pp=rpp),
+        rollout=RolloutConfig(tp=rtp, pp=rpp, backend="vllm" if rtp * rpp > 1 else "native"),  # native: tp = pp = 1
         actor=ActorConfig(engine=engine, ppo_mini_batch_size=mini,
                           fsdp=FsdpConfig(fsdp_size=fsdp_size, ulysses_size=sp), megatron=MegatronConfig(**mega)),
         pools=PoolsConfig(reward_ranks=reward),
+        reward=RewardConfig(model=RewardModelConfig(path="tiny-random-rm" if reward else None)),
     )
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_plan_defaults(world: int) -> None:
     p = plan(make_cfg(), world)
-    assert p.actor_dp_size == world and p.rollout_dp_size == world
+    assert p.dp_size == world and p.rollout_dp_size == world
     assert p.fsdp == FsdpLayout(world) and p.megatron == MegatronLayout(world) and p.reward_fsdp is None
     assert p.node(0) is None and p.unavailable == {}
 
@@ -280,11 +282,11 @@ def test_plan_nodes_and_reward_pool() -> None:
     p = plan(make_cfg(train=6, mini=6, fsdp_size=3, sp=3, reward=2), 8, nproc_per_node=4)
     assert p.pools == (PoolSpec("global", 0, 6), PoolSpec("reward", 6, 2))
     assert p.fsdp == FsdpLayout(6, 3) and p.ulysses == UlyssesLayout(6, 3) and p.reward_fsdp == FsdpLayout(2, pool="reward")
-    assert p.actor_dp_size == 2 and p.rollout_dp_size == 6
+    assert p.dp_size == 2 and p.rollout_dp_size == 6
     assert [p.node(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [p.local_rank(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert p.num_nodes == 2 and p.member_of(7) == ["reward"]
-    assert [p.actor_dp_rank(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert [p.dp_rank(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
     assert set(p.layouts()) == {"fsdp", "ulysses", "megatron", "rollout", "reward.fsdp"}
     with pytest.raises(ValueError, match=r"nproc_per_node \(3\) must be >= 1 and divide the world size \(8\)"):
         plan(make_cfg(), 8, nproc_per_node=3)
@@ -292,8 +294,8 @@ def test_plan_nodes_and_reward_pool() -> None:
 
 def test_plan_megatron_engine() -> None:
     p = plan(make_cfg(train=16, mini=8, engine="megatron", tp=2, pp=2), 16, nproc_per_node=8)
-    assert p.actor_dp_size == 4 and p.megatron == MegatronLayout(16, tp=2, pp=2)
-    assert [p.actor_dp_rank(r) for r in (0, 5, 8, 15)] == [0, 2, 0, 3]
+    assert p.dp_size == 4 and p.megatron == MegatronLayout(16, tp=2, pp=2)
+    assert [p.dp_rank(r) for r in (0, 5, 8, 15)] == [0, 2, 0, 3]
     with pytest.raises(ValueError, match=r"actor\.megatron\.tp \(4\) \* .* = 4 does not divide the global pool size \(6\)"):
         plan(make_cfg(train=6, mini=6, engine="megatron", tp=4), 6)
 
@@ -334,9 +336,9 @@ def test_plan_batch_rules(cfg_kw: dict, world: int, match: str) -> None:
 
 def test_plan_rollout_replica_rules() -> None:
     cfg = make_cfg(train=2, mini=2, sp=4, rtp=4)  # one replica of tp 4 on 4 ranks
-    cfg.rollout.n = 1
+    cfg.rollout.n = 3
     with pytest.raises(ValueError, match=r"data\.train_batch_size \(2\) / rollout data-parallel size \(1\) \* "
-                                         r"rollout\.n \(1\) = 2 responses per rollout replica must be divisible by "
+                                         r"rollout\.n \(3\) = 6 responses per rollout replica must be divisible by "
                                          r"rollout\.tp \(4\) \* rollout\.pp \(1\)"):
         plan(cfg, 4)
     cfg.rollout.n = 2
@@ -356,4 +358,4 @@ def test_plan_rollout_replica_rules() -> None:
 def test_plan_batch_rules_pass() -> None:
     assert plan(make_cfg(train=8, mini=4, sp=2, rtp=2), 8).actor_prompts_per_mini_batch == 1
     p = plan(make_cfg(train=8, mini=4, engine="megatron", tp=2, rtp=2), 8)
-    assert p.actor_dp_size == 4 and p.rollout_prompts_per_replica == 2
+    assert p.dp_size == 4 and p.rollout_prompts_per_replica == 2

@@ -40,7 +40,7 @@ def test_json_hsdp_8_ranks() -> None:
 
 def test_json_megatron_tp2_pp2_16_ranks() -> None:
     out = run_layout("--world-size", "16", "--nproc-per-node", "8", "--actor.engine", "megatron",
-                     "--actor.megatron.tp", "2", "--actor.megatron.pp", "2", "--rollout.tp", "2",
+                     "--actor.megatron.tp", "2", "--actor.megatron.pp", "2", "--rollout.tp", "2", "--rollout.backend", "vllm",
                      "--data.train-batch-size", "8", "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
@@ -56,7 +56,7 @@ def test_json_megatron_tp2_pp2_16_ranks() -> None:
 
 
 def test_reward_pool_tables_and_json() -> None:
-    args = ["--world-size", "4", "--pools.reward-ranks", "1", "--data.train-batch-size", "3",
+    args = ["--world-size", "4", "--pools.reward-ranks", "1", "--reward.model.path", "tiny-random-rm", "--data.train-batch-size", "3",
             "--actor.ppo-mini-batch-size", "3"]
     out = run_layout(*args)
     assert out.returncode == 0, out.stderr

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from spmd_rl.distributed.pools import GLOBAL, build_groups, build_mesh
 
@@ -41,6 +41,34 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MEGATRON_AXES = ("tp", "cp", "ep", "dp", "pp")
+
+
+class ActorLayout(Protocol):
+    """The actor's data ("batch") view of its pool, whatever the engine: which rows a rank holds and
+    whether it adds them to sums over the pool (token counts, summed metrics). Implemented by
+    :class:`UlyssesLayout` (fsdp engine) and :class:`MegatronLayout`."""
+
+    size: int
+
+    @property
+    def dp_size(self) -> int: ...
+
+    @property
+    def dp_formula(self) -> str:
+        """How ``dp_size`` follows from the flags, for error messages."""
+        ...
+
+    def dp_rank(self, rank: int) -> int:
+        """Data-parallel index of pool-local ``rank``."""
+        ...
+
+    def counts_in_sums(self, rank: int) -> bool:
+        """Whether ``rank`` adds its rows to sums over the pool: exactly one rank per dp group does."""
+        ...
+
+    def coords(self, rank: int) -> dict[str, int]: ...
+
+    def groups(self) -> dict[str, list[list[int]]]: ...
 
 
 # --------------------------------------------------------------------------- grid helpers
@@ -188,6 +216,18 @@ class UlyssesLayout(_Layout):
     @property
     def sp_enabled(self) -> bool:
         return self.sp > 1
+
+    # --- the actor's batch view (ActorLayout), for the fsdp engine
+    @property
+    def dp_formula(self) -> str:
+        return f"{self.pool} pool size ({self.size}) / actor.fsdp.ulysses_size ({self.sp})"
+
+    def dp_rank(self, rank: int) -> int:
+        return self.coords(rank)["dp"]
+
+    def counts_in_sums(self, rank: int) -> bool:
+        """The sp ranks of a dp group hold the same rows: sp rank 0 counts them."""
+        return self.coords(rank)["sp"] == 0
 
     mesh_dim_names: ClassVar[tuple[str, str]] = ("dp", "sp")
     _coord_axes = ("dp", "sp")
@@ -344,6 +384,21 @@ class MegatronLayout(_Layout):
         """Data-parallel size of the dense layers: size / (tp * pp * cp)."""
         return self.size // (self.tp * self.pp * self.cp)
 
+    # --- the actor's batch view (ActorLayout)
+    @property
+    def dp_formula(self) -> str:
+        return (f"{self.pool} pool size ({self.size}) / (actor.megatron.tp ({self.tp}) * actor.megatron.pp "
+                f"({self.pp}) * actor.megatron.cp ({self.cp}))")
+
+    def dp_rank(self, rank: int) -> int:
+        return self.coords(rank)["dp"]
+
+    def counts_in_sums(self, rank: int) -> bool:
+        """The tp / cp / pp ranks of a dp group hold the same rows; the loss runs on the last stage:
+        tp 0, cp 0 of the last stage counts them."""
+        c = self.coords(rank)
+        return c["tp"] == 0 and c["cp"] == 0 and c["pp"] == self.pp - 1
+
     @property
     def expert_dp_size(self) -> int:
         """Data-parallel size of the expert layers: size / (etp * ep * pp)."""
@@ -400,4 +455,4 @@ class MegatronLayout(_Layout):
         return build_groups(self.groups(), start, timeout)
 
 
-__all__ = ["FsdpLayout", "MegatronLayout", "RolloutLayout", "UlyssesLayout"]
+__all__ = ["ActorLayout", "FsdpLayout", "MegatronLayout", "RolloutLayout", "UlyssesLayout"]

@@ -59,7 +59,7 @@ def build_run_groups(plan: Plan, env: DistEnv, *, close_timeout_s: float = 60.0)
     device_type = env.device.type
     actor_mesh = plan.fsdp.build(device_type, start=plan.pool(GLOBAL).start) if plan.fsdp is not None else None
     sp_group = None
-    if plan.ulysses is not None and plan.ulysses.sp_enabled and plan.engine == "fsdp":
+    if "ulysses" in plan.actor_meshes and plan.ulysses is not None and plan.ulysses.sp_enabled:
         sp_mesh = plan.ulysses.build(device_type, start=plan.pool(GLOBAL).start)  # [dp, sp]
         sp_group = sp_mesh["sp"].get_group() if sp_mesh is not None else None
     reward = plan.pool_optional(REWARD)

@@ -1,22 +1,29 @@
-"""Rollout engines: generate responses with the actor's current weights, colocated on each rank.
+"""Rollout engines: generate responses with the actor's current weights. The backend registry.
 
-    engine = build_rollout(cfg.rollout.backend, model_folder=folder, device=device, dtype=torch.bfloat16,
-                           batch_size=cfg.rollout.batch_size, pad_token_id=tok.pad_token_id,
-                           eos_token_ids=[tok.eos_token_id])
+    spec = backend_spec(cfg.rollout.backend)        # what plan() checks: sharding, whole world, sampling
+    engine = build_rollout_from_config(cfg.rollout, model_folder=folder, device=device, pad_token_id=0,
+                                       eos_token_ids=[2], max_prompt_length=512, seed=17)
+    engine = build_rollout("native", model_folder=folder, device=device, dtype=torch.float32, ...)
 
 Every engine implements :class:`RolloutEngine` (``generate``, ``load_weights``, ``sleep``,
 ``wake_up``, ``close``) and returns a :class:`GenerationOutput`. Backends: ``native``
-(:class:`NativeRollout`, built in, CPU and GPU) and ``vllm`` (``vllm_engine.VllmRollout``, the
-`vllm` extra, imported only when chosen; it also takes ``tp``, ``pp``, ``gpu_memory_utilization``,
-``max_model_len`` and ``seed``).
+(:class:`NativeRollout`, built in, CPU and GPU, one whole model per rank) and ``vllm``
+(``vllm_engine.VllmRollout``, the `vllm` extra, imported only when chosen; tp / pp groups laid over
+the whole world). This table is the only place that tells the backends apart.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
 
 from .base import GenerationOutput, RolloutEngine
 from .native import NativeRollout
+
+if TYPE_CHECKING:
+    from spmd_rl.config import RolloutConfig
 
 
 def _vllm(**kwargs: Any) -> RolloutEngine:
@@ -25,15 +32,74 @@ def _vllm(**kwargs: Any) -> RolloutEngine:
     return VllmRollout(**kwargs)
 
 
-_BACKENDS: dict[str, Callable[..., RolloutEngine]] = {"native": NativeRollout, "vllm": _vllm}
+def _native_options(rollout: RolloutConfig, *, max_prompt_length: int, seed: int) -> dict[str, Any]:
+    return {"compile_decode": None if rollout.compile_decode else False}
+
+
+def _vllm_options(rollout: RolloutConfig, *, max_prompt_length: int, seed: int) -> dict[str, Any]:
+    return dict(tp=rollout.tp, pp=rollout.pp, gpu_memory_utilization=rollout.gpu_memory_utilization,
+                max_model_len=rollout.max_model_len or max_prompt_length + rollout.max_new_tokens, seed=seed)
+
+
+def _no_check(rollout: RolloutConfig) -> None:
+    return None
+
+
+def _vllm_check(rollout: RolloutConfig) -> None:
+    if rollout.top_k != 0 or rollout.top_p != 1.0:
+        raise ValueError(
+            f"rollout.backend=vllm reports log-probs after top-k / top-p filtering, the trainer before it: "
+            f"use --rollout.top-k 0 --rollout.top-p 1.0 with vllm (got top_k={rollout.top_k}, top_p={rollout.top_p})")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One rollout backend: its constructor and what :func:`spmd_rl.distributed.plan.plan` must know."""
+
+    factory: Callable[..., RolloutEngine]
+    options: Callable[..., dict[str, Any]]
+    """Backend-specific constructor arguments from the ``rollout`` section."""
+    model_parallel: bool
+    """A replica may span ``rollout.tp`` x ``rollout.pp`` ranks (else one whole model per rank)."""
+    whole_world: bool
+    """Its groups are laid over the whole world, so every rank must be in the global pool."""
+    check: Callable[[RolloutConfig], None] = _no_check
+    """Rules of the ``rollout`` section that only this backend has."""
+
+
+BACKENDS: dict[str, BackendSpec] = {
+    "native": BackendSpec(factory=NativeRollout, options=_native_options, model_parallel=False, whole_world=False),
+    "vllm": BackendSpec(factory=_vllm, options=_vllm_options, model_parallel=True, whole_world=True,
+                        check=_vllm_check),
+}
+
+
+def backend_spec(backend: str) -> BackendSpec:
+    """The registry entry of ``rollout.backend``; ValueError naming the known ones otherwise."""
+    spec = BACKENDS.get(backend)
+    if spec is None:
+        raise ValueError(f"rollout.backend={backend!r} is not available; known backends: {sorted(BACKENDS)}")
+    return spec
 
 
 def build_rollout(backend: str, **kwargs: Any) -> RolloutEngine:
-    """Create the rollout engine named by ``rollout.backend``; ``kwargs`` go to its constructor."""
-    factory = _BACKENDS.get(backend)
-    if factory is None:
-        raise ValueError(f"rollout.backend={backend!r} is not available; known backends: {sorted(_BACKENDS)}")
-    return factory(**kwargs)
+    """Create the rollout engine named ``backend``; ``kwargs`` go to its constructor."""
+    return backend_spec(backend).factory(**kwargs)
 
 
-__all__ = ["GenerationOutput", "NativeRollout", "RolloutEngine", "build_rollout"]
+def build_rollout_from_config(rollout: RolloutConfig, *, model_folder: str, device: torch.device, pad_token_id: int,
+                              eos_token_ids: list[int], trust_remote_code: bool, max_prompt_length: int,
+                              seed: int) -> RolloutEngine:
+    """The engine ``rollout.backend`` names, configured from the ``rollout`` section: bf16 on CUDA,
+    fp32 elsewhere; no EOS ids with ``rollout.ignore_eos``. ``seed``: the sampling seed of this rank's
+    replica (vLLM seeds its engine with it)."""
+    spec = backend_spec(rollout.backend)
+    return spec.factory(
+        model_folder=model_folder, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        batch_size=rollout.batch_size, pad_token_id=pad_token_id,
+        eos_token_ids=[] if rollout.ignore_eos else eos_token_ids,
+        trust_remote_code=trust_remote_code, **spec.options(rollout, max_prompt_length=max_prompt_length, seed=seed))
+
+
+__all__ = ["BACKENDS", "BackendSpec", "GenerationOutput", "NativeRollout", "RolloutEngine", "backend_spec",
+           "build_rollout", "build_rollout_from_config"]

@@ -24,12 +24,21 @@ NaN/inf before the step (the step is skipped up to ``actor.skip_nonfinite_update
 then an error). On CUDA parameters are bf16 (megatron ``Float16Module``) with fp32 main weights in
 the optimizer, seeded from the loaded fp32 weights (not from their bf16 rounding, see
 ``MegatronEngine._main_params_from``); on CPU everything is fp32.
+
+``compute_logprobs`` runs on every rank and broadcasts the last stage's log-probs over the pipeline
+group. ``state_dict`` is this rank's shards and AdamW state keyed by global rank, so a checkpoint
+resumes on the same world size and megatron layout only; ``export_weights`` gives the full HF-named
+weights on global rank 0, which the checkpoint keeps once for ``python -m spmd_rl.export``. The
+embedding's padding row gets no gradient (as HF's ``padding_idx``). ``offload`` / ``onload`` are
+no-ops. Tests: ``tests/test_megatron_parity.py`` (TP2, TP2+SP, PP2, TP2xPP2, PP2xVPP2, EP2 updates
+against one process; log-probs against the FSDP engine; HF round trip), ``test_megatron_e2e.py``
+(torchrun run, exact resume, HF export) and ``test_megatron_bf16.py`` (the bf16 path emulated on
+CPU); ``bench/megatron_gpu_check.py`` compares it with the FSDP engine in bf16 on GPUs.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -40,7 +49,7 @@ from spmd_rl.config import ActorConfig, MegatronConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.dims import MegatronLayout
 from spmd_rl.engine import packing
-from spmd_rl.engine.fsdp import LossFn, lr_lambda
+from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
 from spmd_rl.engine.megatron.convert import export_hf_weights, load_hf_weights
 from spmd_rl.engine.megatron.groups import init_model_parallel
 from spmd_rl.engine.megatron.model import ModelSpec, build_chunks, check_layout, transformer_config
@@ -133,7 +142,7 @@ class MegatronEngine:
 
         self.optimizer = None
         self.updates = 0
-        self._nonfinite_streak = 0  # optimizer steps skipped in a row for a NaN/inf gradient norm
+        self.nonfinite = NonfiniteGuard(actor.skip_nonfinite_updates if actor is not None else 0)
         self.actor = actor
         self.total_updates = total_updates
         if trainable:
@@ -336,21 +345,10 @@ class MegatronEngine:
             group["weight_decay"] = actor.weight_decay * group.get("wd_mult", 1.0)
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
-        if not math.isfinite(grad_norm):
-            # the norm is reduced over every model- and data-parallel rank: all take this branch; the
-            # gradients are dropped by the next call's zero_grad, the LR schedule does not advance
-            self._nonfinite_streak += 1
-            if self._nonfinite_streak > actor.skip_nonfinite_updates:
-                raise FloatingPointError(
-                    f"non-finite gradient norm ({grad_norm}) in the actor update, {self._nonfinite_streak} "
-                    "update(s) in a row: the loss or the model produced NaN/inf. Lower --actor.lr, check the "
-                    f"reward values, raise --actor.skip-nonfinite-updates (now {actor.skip_nonfinite_updates}) "
-                    "to skip such updates, or resume from the last checkpoint; the optimizer step was skipped "
-                    "and no weights changed")
-            log.warning("skipped an actor update with a non-finite gradient norm (%s in a row of at most %d)",
-                        self._nonfinite_streak, actor.skip_nonfinite_updates)
+        # the norm is reduced over every model- and data-parallel rank: all take the same branch; a skipped
+        # step's gradients are dropped by the next call's zero_grad, the LR schedule does not advance
+        if self.nonfinite.skip(grad_norm):
             return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
-        self._nonfinite_streak = 0
         if actor.grad_clip > 0:  # as megatron's own step: every optimizer (dense, expert) by the total norm
             from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
@@ -407,20 +405,18 @@ class MegatronEngine:
                 group["lr"] = saved
 
     def state_dict(self) -> dict[str, object]:
-        """What a checkpoint saves: :meth:`state_dict_to_load`, plus (actor) the HF copy for export."""
-        state = self.state_dict_to_load()
-        if self.optimizer is not None:
-            state["hf"] = self._hf_copy()
-        return state
-
-    def state_dict_to_load(self) -> dict[str, object]:
-        """What a resume fills in place: this rank's model shards and AdamW state, the update count."""
+        """What a resume needs: this rank's model shards and AdamW state, the update count."""
         if self.optimizer is not None:
             self._ensure_optimizer_state()
         state: dict[str, object] = {"tensors": self._local_tensors()}
         if self.optimizer is not None:
             state["scheduler"] = {"updates": self.updates}
         return state
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's full HF-named weights for ``spmd_rl.export`` (see :meth:`_hf_copy`); the
+        reference saves nothing."""
+        return self._hf_copy() if self.optimizer is not None else {}
 
     def _hf_copy(self) -> dict[str, torch.Tensor]:
         """The full HF-named weights for ``python -m spmd_rl.export`` (which reads checkpoints in one
@@ -435,7 +431,7 @@ class MegatronEngine:
         return out
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore what :meth:`state_dict_to_load` returned (DCP filled the tensors in place); model shards
+        """Restore what :meth:`state_dict` returned (DCP filled the tensors in place); model shards
         are loaded into the parameters, and step counts back into AdamW's state."""
         mine = self._local_tensors()
         for key, value in state["tensors"].items():  # type: ignore[union-attr]

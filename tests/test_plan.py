@@ -1,0 +1,109 @@
+"""``plan()``, the one judge of a run's configuration: every rule between config sections or that
+needs the world size, one row per message, checked with no process group."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from spmd_rl.config import load_config
+from spmd_rl.distributed.plan import plan
+
+RM = ["--reward.model.path", "tiny-random-rm"]
+
+# (flags, world size, the message plan() must give)
+RULES = [
+    ([], 0, "world size must be >= 1, got 0"),
+    (["--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "16"], 1,
+     "actor.ppo_mini_batch_size (16) must be <= data.train_batch_size (8)"),
+    (["--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "3"], 1,
+     "actor.ppo_mini_batch_size (3) must divide data.train_batch_size (8)"),
+    (["--actor.max-tokens-per-gpu", "300", "--actor.fsdp.ulysses-size", "2", "--data.max-prompt-length", "512",
+      "--rollout.max-new-tokens", "256"], 2,
+     "actor.max_tokens_per_gpu (300) * actor.fsdp.ulysses_size (2) must be >= data.max_prompt_length (512) + "
+     "rollout.max_new_tokens (256) = 768, the longest sequence"),
+    (["--pools.reward-ranks", "1"], 2,
+     "pools.reward_ranks=1 makes a reward pool, but reward.model.path is not set, so it would serve nothing"),
+    (["--actor.engine", "megatron", "--pools.reward-ranks", "1", *RM], 2,
+     "actor.engine=megatron builds its groups over the whole world, so it cannot run with a separate reward pool "
+     "(pools.reward_ranks=1): set --pools.reward-ranks 0"),
+    (["--rollout.backend", "vllm", "--pools.reward-ranks", "1", *RM], 2,
+     "rollout.backend=vllm lays its groups over the whole world, so every rank must be in the global pool: "
+     "set --pools.reward-ranks 0 (got 1)"),
+    (["--actor.engine", "megatron", "--actor.use-packing"], 1,
+     "actor.use_packing apply to actor.engine=fsdp only; unset them for actor.engine=megatron"),
+    (["--actor.engine", "megatron", "--actor.max-tokens-per-gpu", "4096", "--actor.fsdp.ulysses-size", "2"], 2,
+     "actor.max_tokens_per_gpu, actor.fsdp.ulysses_size apply to actor.engine=fsdp only"),
+    (["--rollout.tp", "2"], 2,
+     "rollout.tp (2) * rollout.pp (1) > 1 needs a sharded rollout engine; rollout.backend=native holds a whole "
+     "model per rank: use --rollout.tp 1 --rollout.pp 1 or --rollout.backend vllm"),
+    (["--rollout.backend", "vllm", "--rollout.top-k", "5"], 1,
+     "use --rollout.top-k 0 --rollout.top-p 1.0 with vllm (got top_k=5, top_p=1.0)"),
+    (["--data.train-batch-size", "4", "--actor.ppo-mini-batch-size", "4"], 8,
+     "data.train_batch_size (4) must be divisible by the rollout data-parallel size (8) = global pool size (8) / "
+     "(rollout.tp (1) * rollout.pp (1))"),
+    (["--data.train-batch-size", "4", "--actor.ppo-mini-batch-size", "4", "--rollout.backend", "vllm",
+      "--rollout.tp", "4"], 8,
+     "data.train_batch_size (4) must be divisible by the actor data-parallel size (8) = global pool size (8) / "
+     "actor.fsdp.ulysses_size (1)"),
+    (["--data.train-batch-size", "16", "--actor.ppo-mini-batch-size", "2", "--actor.engine", "megatron",
+      "--actor.megatron.tp", "2"], 8,
+     "actor.ppo_mini_batch_size (2) must be divisible by the actor data-parallel size (4) = global pool size (8) / "
+     "(actor.megatron.tp (2) * actor.megatron.pp (1) * actor.megatron.cp (1))"),
+    (["--data.train-batch-size", "2", "--actor.ppo-mini-batch-size", "2", "--rollout.n", "3",
+      "--rollout.backend", "vllm", "--rollout.tp", "4", "--actor.fsdp.ulysses-size", "4"], 4,
+     "data.train_batch_size (2) / rollout data-parallel size (1) * rollout.n (3) = 6 responses per rollout replica "
+     "must be divisible by rollout.tp (4) * rollout.pp (1)"),
+    (["--rollout.n", "1"], 1,
+     "rollout.n=1 makes every prompt's group a single response, so algo.adv_estimator=grpo has nothing to compare "
+     "it with: its advantage is the raw score, with no baseline; use --rollout.n 2 or more, or "
+     "--algo.adv-estimator reinforce_pp_baseline"),
+    (["--rollout.n", "1", "--algo.adv-estimator", "rloo"], 1, "rollout.n=1 makes every prompt's group a single "
+     "response, so algo.adv_estimator=rloo has nothing to compare it with"),
+]
+
+
+@pytest.mark.parametrize("flags,world,message", RULES, ids=[r[2][:48] for r in RULES])
+def test_plan_rule_message(flags: list[str], world: int, message: str) -> None:
+    cfg = load_config(flags)  # every section is valid on its own: only plan() refuses it
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan(cfg, world)
+
+
+def test_one_response_per_prompt_plans_with_a_batch_baseline() -> None:
+    """REINFORCE++-baseline whitens over the batch, so rollout.n=1 still has a baseline there."""
+    assert plan(load_config(["--rollout.n", "1", "--algo.adv-estimator", "reinforce_pp_baseline"]), 1).dp_size == 1
+
+
+def test_nproc_per_node_must_divide_the_world() -> None:
+    with pytest.raises(ValueError, match=re.escape("nproc_per_node (3) must be >= 1 and divide the world size (8)")):
+        plan(load_config([]), 8, nproc_per_node=3)
+
+
+def test_context_parallel_plans_without_transformer_engine() -> None:
+    """A cp layout is a layout: it plans (and the layout tool prints it) on any machine; the engine
+    refuses it at start where TransformerEngine is missing, and the plan carries that as a warning."""
+    pytest.importorskip("megatron.core")  # the warning's check only; the plan itself needs no megatron
+    import importlib.util
+
+    cfg = load_config(["--actor.engine", "megatron", "--actor.megatron.cp", "2", "--data.train-batch-size", "8"])
+    p = plan(cfg, 4)
+    assert p.megatron is not None and p.megatron.cp == 2 and p.dp_size == 2
+    assert [p.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [p.counts_in_sums(r) for r in range(4)] == [True, False, True, False]  # cp rank 0 of each dp group
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert any("actor.megatron.cp (2) > 1 needs TransformerEngine" in w for w in p.warnings)
+
+
+def test_actor_batch_view_is_the_engines() -> None:
+    """The trainer asks the plan, never the engine's name: dp rank and who counts rows in sums."""
+    fsdp = plan(load_config(["--actor.fsdp.ulysses-size", "2"]), 4)
+    assert fsdp.actor_meshes == ("fsdp", "ulysses") and fsdp.dp_size == 2
+    assert [fsdp.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [fsdp.counts_in_sums(r) for r in range(4)] == [True, False, True, False]  # sp rank 0
+    mega = plan(load_config(["--actor.engine", "megatron", "--actor.megatron.tp", "2", "--actor.megatron.pp", "2"]), 8)
+    assert mega.actor_meshes == ("megatron",) and mega.dp_size == 2
+    # tp 0 of the last stage counts: megatron's order tp-cp-ep-dp-pp puts pp last (ranks 4..7 are stage 1)
+    assert [r for r in range(8) if mega.counts_in_sums(r)] == [4, 6]
+    assert [mega.dp_rank(r) for r in (4, 6)] == [0, 1]
