@@ -10,8 +10,8 @@
 Both sides run in this process, one after the other, on the same random-weight model folder
 (``bench/shapes.py``: fp32 master weights, bf16 compute on GPU), the same prompts (``--prompts``
 chats of exactly ``--prompt-len`` tokens after the chat template), ``--n`` samples per prompt at
-temperature 1 (top-k 0, top-p 1) of exactly ``--new-tokens`` tokens (EOS ignored: our rollout gets
-an EOS id outside the vocabulary, TRL ``min_new_tokens``), a random reward, KL to a reference model
+temperature 1 (top-k 0, top-p 1) of exactly ``--new-tokens`` tokens (EOS ignored: ours with
+``--rollout.ignore-eos``, TRL ``min_new_tokens``), a random reward, KL to a reference model
 (``beta`` = ``algo.kl_coef`` = 0.001, so both run the reference forward), one optimizer step per
 GRPO step over all ``prompts x n`` responses in micro-batches of ``--micro-batch-size``, no
 gradient checkpointing, no old-log-prob pass (one update per batch). Step time is the median over
@@ -63,19 +63,15 @@ def write_prompts(path: str, count: int, content_len: int, seed: int) -> None:
 
 
 def run_ours(args: argparse.Namespace, folder: str, data: str, out_dir: str) -> dict[str, object]:
-    import spmd_rl.trainer as trainer_mod
     from spmd_rl.config import load_config
     from spmd_rl.distributed.env import DistEnv
-    from transformers import AutoConfig
 
-    vocab = int(AutoConfig.from_pretrained(folder).vocab_size)
-    trainer_mod._eos_ids = lambda tokenizer: [vocab]  # an id the model never samples: fixed-length responses
     rows = args.prompts * args.n
     flags = [
         "--model.path", folder, "--data.task", "file", "--data.path", data, "--data.val-path", data,
         "--data.train-batch-size", str(args.prompts), "--data.max-prompt-length", str(args.prompt_len),
         "--rollout.n", str(args.n), "--rollout.max-new-tokens", str(args.new_tokens), "--rollout.temperature", "1.0",
-        "--rollout.top-k", "0", "--rollout.top-p", "1.0", "--rollout.batch-size", str(rows),
+        "--rollout.top-k", "0", "--rollout.top-p", "1.0", "--rollout.batch-size", str(rows), "--rollout.ignore-eos",
         "--actor.ppo-mini-batch-size", str(args.prompts), "--actor.micro-batch-size", str(args.micro_batch_size),
         "--ref.micro-batch-size", str(args.micro_batch_size), "--actor.lr", "1e-6",
         "--algo.use-kl-loss", "--algo.kl-coef", str(KL_COEF), "--reward.fn", "grpo_step:bench_reward",

@@ -136,7 +136,7 @@ def main() -> int:
 
     def load_config(folder: str):
         return AutoConfig.from_pretrained(folder)
-    from spmd_rl.models import resolve_model_path
+    from shapes import resolve_bench_model
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
@@ -147,8 +147,7 @@ def main() -> int:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    tiny = dict(zip(("layers", "hidden", "heads", "kv_heads"), args.tiny), seed=0) if args.tiny else None
-    folder = resolve_model_path(args.model, cache_dir=None, tiny=tiny)
+    folder = resolve_bench_model(args.model, args.tiny)
     actor = ActorConfig(lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01, grad_clip=1.0)
 
     fsdp = FSDPEngine(model_folder=folder, mesh=FsdpLayout(world).build(device.type), device=device, fsdp=FsdpConfig(),

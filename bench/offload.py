@@ -25,13 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from packing import make_batch  # noqa: E402
+from shapes import resolve_bench_model  # noqa: E402
 
 from spmd_rl.algo.objective import actor_objective  # noqa: E402
 from spmd_rl.config import ActorConfig, AlgoConfig, FsdpConfig  # noqa: E402
 from spmd_rl.distributed.dims import FsdpLayout  # noqa: E402
 from spmd_rl.distributed.env import DistEnv  # noqa: E402
 from spmd_rl.engine.fsdp import FSDPEngine  # noqa: E402
-from spmd_rl.models import resolve_model_path  # noqa: E402
 
 
 def gib(dev: torch.device) -> float:
@@ -48,9 +48,7 @@ def main() -> None:
     args = p.parse_args()
     env = DistEnv.from_environ().init()
     dev = env.device
-    layers, hidden, heads, kv = args.tiny
-    folder = resolve_model_path(args.model, cache_dir=None,
-                                tiny={"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv, "seed": 0})
+    folder = resolve_bench_model(args.model, args.tiny)
     from transformers import AutoConfig
 
     batch = make_batch(argparse.Namespace(rows=32, n=4, prompt_len=[16, 64], max_response=128, seed=0),

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shapes import random_grpo_batch  # noqa: E402
+from shapes import random_grpo_batch, resolve_bench_model  # noqa: E402
 from spmd_rl.algo.objective import actor_objective  # noqa: E402
 from spmd_rl.config import ActorConfig, AlgoConfig, FsdpConfig  # noqa: E402
 from spmd_rl.data.batch import RolloutBatch  # noqa: E402
@@ -35,7 +35,6 @@ from spmd_rl.distributed.dims import FsdpLayout  # noqa: E402
 from spmd_rl.distributed.env import DistEnv  # noqa: E402
 from spmd_rl.engine import packing  # noqa: E402
 from spmd_rl.engine.fsdp import FSDPEngine  # noqa: E402
-from spmd_rl.models import resolve_model_path  # noqa: E402
 
 
 def make_batch(args: argparse.Namespace, vocab: int) -> RolloutBatch:
@@ -112,9 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     env = DistEnv.from_environ().init(device=args.device)
-    layers, hidden, heads, kv = args.tiny
-    folder = resolve_model_path(args.model, cache_dir=None,
-                                tiny={"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv, "seed": 0})
+    folder = resolve_bench_model(args.model, args.tiny)
     from transformers import AutoConfig
 
     batch = make_batch(args, vocab=AutoConfig.from_pretrained(folder).vocab_size)

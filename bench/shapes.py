@@ -95,6 +95,20 @@ def model_folder(shape: str, *, root: str) -> str:
     return str(folder)
 
 
+def resolve_bench_model(model: str, tiny: list[int] | None) -> str:
+    """``--model`` of a script as a local folder: ``tiny-random`` of the ``--tiny LAYERS HIDDEN HEADS
+    KV_HEADS`` shape (seed 0, built once in the model cache) when given, else what ``--model.path``
+    resolves to."""
+    from spmd_rl.models import resolve_model_path
+    from spmd_rl.models.builtin import TINY_NAME, TinyShape, cache_root, materialise_tiny_random
+
+    if model == TINY_NAME and tiny:
+        layers, hidden, heads, kv_heads = tiny
+        shape = TinyShape(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads)
+        return str(materialise_tiny_random(cache_root(None), shape))
+    return resolve_model_path(model, cache_dir=None)
+
+
 def default_root() -> str:
     return os.environ.get("BENCH_MODELS", "/tmp/spmd_rl_bench_models")
 

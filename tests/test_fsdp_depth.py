@@ -38,7 +38,6 @@ from spmd_rl.engine.fsdp import FSDPEngine
 from spmd_rl.engine.ulysses import check_heads
 from spmd_rl.models import load_causal_lm, resolve_model_path
 
-TINY = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 0}
 ROWS, RESPONSE_LEN, MICRO = 16, 12, 2
 TEMPERATURE, PAD, TOL = 0.8, 0, 1e-5
 ACTOR = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01, grad_clip=0.5)
@@ -55,7 +54,7 @@ CASES = {
 
 
 def tiny_folder() -> str:
-    return resolve_model_path("tiny-random", cache_dir=None, tiny=TINY)  # $SPMD_RL_CACHE (conftest)
+    return resolve_model_path("tiny-random", cache_dir=None)  # $SPMD_RL_CACHE (conftest)
 
 
 # --------------------------------------------------------------------------- the single-process reference

@@ -63,7 +63,7 @@ LAYOUTS = {name: world for world, layouts in WORLDS.items() for name in layouts}
 
 
 def tiny_folder() -> str:
-    return resolve_model_path("tiny-random", cache_dir=None, tiny=None)  # $SPMD_RL_CACHE (conftest)
+    return resolve_model_path("tiny-random", cache_dir=None)  # $SPMD_RL_CACHE (conftest)
 
 
 # --------------------------------------------------------------------------- the single-process reference

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmd_rl.algo.losses import entropy_from_logits, logprobs_from_logits
 from spmd_rl.engine.head import HeadRequest, LogprobHead, chunked_logprobs, default_chunk_tokens
 from spmd_rl.models import load_causal_lm, resolve_model_path
+from support.reference import entropy_from_logits, logprobs_from_logits
 
 
 def _plain(hidden, weight, labels, temperature):
@@ -95,7 +95,7 @@ def test_bf16_is_as_accurate_as_the_plain_bf16_path() -> None:
 
 
 def test_head_replaces_the_linear_and_keeps_ties() -> None:
-    model = load_causal_lm(resolve_model_path("tiny-random", cache_dir=None, tiny=None), dtype=torch.float32)
+    model = load_causal_lm(resolve_model_path("tiny-random", cache_dir=None), dtype=torch.float32)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     names = [n for n, _ in model.named_parameters()]
     ids = torch.randint(0, model.config.vocab_size, (2, 9))

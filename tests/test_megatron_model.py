@@ -67,7 +67,7 @@ def test_fused_layouts_round_trip():
 
 
 def test_vocab_parallel_logprobs_one_rank_equals_full_softmax():
-    from spmd_rl.algo.losses import entropy_from_logits, logprobs_from_logits
+    from support.reference import entropy_from_logits, logprobs_from_logits
     from spmd_rl.engine.megatron.vocab import vocab_parallel_logprobs
 
     logits = torch.randn(7, 12)

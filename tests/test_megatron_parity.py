@@ -24,8 +24,8 @@ from spmd_rl.config import ActorConfig, AlgoConfig, MegatronConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.dims import FsdpLayout, MegatronLayout
 from spmd_rl.distributed.testing import run_distributed
-from spmd_rl.models import resolve_model_path
 from support.numerics import max_rel, rel
+from support.tiny import tiny_model_folder
 from test_fsdp_parity import ACTOR, ALGO, CHANGE_TOL, MICRO, PAD, TEMPERATURE, TOL, make_batch, micro_loss, reference_update
 
 pytest.importorskip("megatron.core")
@@ -45,8 +45,7 @@ WORLD = 4
 
 def tiny4_folder() -> str:
     """tiny-random with 4 layers (pp 2 x vpp 2 needs 4)."""
-    return resolve_model_path("tiny-random", cache_dir=None,
-                              tiny=dict(layers=4, hidden=64, heads=4, kv_heads=2, seed=0))
+    return tiny_model_folder(None, layers=4)
 
 
 def tiny_moe_folder(root: str) -> str:

@@ -18,12 +18,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from spmd_rl.models import (
-    count_params, load_causal_lm, load_tokenizer, model_flops_per_token, resolve_model_path,
+    build_char_tokenizer, eos_token_ids, load_causal_lm, load_tokenizer, model_flops_per_token, resolve_model_path,
 )
 from spmd_rl.models import builtin
 from spmd_rl.models.builtin import MARKER, SMOLLM2_NAME, TinyShape, smollm2_gguf_path
+from support import deps
+from support.reference import count_params
+from support.tiny import tiny_model_folder
 
-TINY = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 0}
+TINY = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 0}  # the built-in tiny-random's shape
 
 
 def shared_model_cache(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -43,7 +46,7 @@ def smollm2_folder(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPat
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return resolve_model_path("tiny-random", cache_dir=str(tmp_path_factory.mktemp("cache")), tiny=TINY)
+    return resolve_model_path("tiny-random", cache_dir=str(tmp_path_factory.mktemp("cache")))
 
 
 # --------------------------------------------------------------------------- tiny-random
@@ -53,7 +56,8 @@ def test_tiny_random_resolves_and_loads(tiny_folder: str) -> None:
     folder = Path(tiny_folder)
     assert folder.name == TinyShape(**TINY).folder_name
     assert (folder / MARKER).is_file() and (folder / "config.json").is_file()
-    assert resolve_model_path("tiny-random", cache_dir=str(folder.parent), tiny=TINY) == tiny_folder
+    assert resolve_model_path("tiny-random", cache_dir=str(folder.parent)) == tiny_folder
+    assert tiny_model_folder(str(folder.parent), **TINY) == tiny_folder  # the tests' helper, same folder
 
     model = load_causal_lm(tiny_folder, dtype=torch.float32)
     cfg = model.config
@@ -72,16 +76,28 @@ def test_tiny_random_resolves_and_loads(tiny_folder: str) -> None:
 
 
 def test_tiny_random_is_deterministic_per_seed(tmp_path: Path, tiny_folder: str) -> None:
-    same = resolve_model_path("tiny-random", cache_dir=str(tmp_path), tiny=TINY)
-    other = resolve_model_path("tiny-random", cache_dir=str(tmp_path), tiny=dict(TINY, seed=1))
+    same = resolve_model_path("tiny-random", cache_dir=str(tmp_path))
+    other = tiny_model_folder(str(tmp_path), seed=1)
     assert same != other and Path(other).name.endswith("s1-v1")
     w = lambda f: load_causal_lm(f, dtype=torch.float32).model.embed_tokens.weight  # noqa: E731
     assert torch.equal(w(same), w(tiny_folder))
     assert not torch.equal(w(same), w(other))
-    with pytest.raises(ValueError, match=r"unknown shape key\(s\) \['depth'\]"):
-        resolve_model_path("tiny-random", cache_dir=str(tmp_path), tiny={"depth": 3})
-    with pytest.raises(ValueError, match=r"model.tiny_hidden \(30\) must be divisible by model.tiny_heads \(4\)"):
-        resolve_model_path("tiny-random", cache_dir=str(tmp_path), tiny=dict(TINY, hidden=30))
+    with pytest.raises(ValueError, match=r"hidden \(30\) must be divisible by heads \(4\)"):
+        TinyShape(hidden=30)
+    with pytest.raises(ValueError, match=r"heads \(4\) must be divisible by kv_heads \(3\)"):
+        TinyShape(kv_heads=3)
+    with pytest.raises(ValueError, match=r"sizes must be >= 1"):
+        TinyShape(layers=0)
+
+
+def test_tiny_random_rm_resolves_to_a_one_output_classifier(tmp_path: Path) -> None:
+    from spmd_rl.models import load_reward_model
+
+    folder = resolve_model_path("tiny-random-rm", cache_dir=str(tmp_path))
+    assert folder == tiny_model_folder(str(tmp_path), reward_model=True)
+    assert Path(folder).name == TinyShape().folder_name_for("tiny-random-rm")
+    assert load_reward_model(folder, dtype=torch.float32).config.num_labels == 1
+    assert tiny_model_folder(str(tmp_path), seed=5, reward_model=True) != folder
 
 
 def test_char_tokenizer_round_trips_text(tiny_folder: str) -> None:
@@ -95,6 +111,17 @@ def test_char_tokenizer_round_trips_text(tiny_folder: str) -> None:
     assert tok.padding_side == "left"
     batch = tok(["ab", "abcd"], padding=True)["input_ids"]
     assert batch[0][:2] == [tok.pad_token_id] * 2  # left padding
+
+
+def test_eos_token_ids() -> None:
+    """The tokenizer's EOS plus the chat formats' end-of-turn tokens its vocabulary holds, sorted."""
+    tok = build_char_tokenizer()
+    assert eos_token_ids(tok) == [2]
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|im_end|>", "<|not_an_end|>"]})
+    ends = sorted(tok.convert_tokens_to_ids(["<|eot_id|>", "<|im_end|>"]))
+    assert eos_token_ids(tok) == [2, *ends]
+    tok.eos_token = "<|im_end|>"  # EOS itself one of them: counted once; `</s>` is no longer an end
+    assert eos_token_ids(tok) == ends
 
 
 def test_chat_template_renders(tiny_folder: str) -> None:
@@ -114,7 +141,7 @@ def test_chat_template_renders(tiny_folder: str) -> None:
 
 def _resolve_in_child(cache_dir: str, barrier, queue) -> None:  # runs in a spawned process
     barrier.wait()
-    queue.put(resolve_model_path("tiny-random", cache_dir=cache_dir, tiny=TINY))
+    queue.put(resolve_model_path("tiny-random", cache_dir=cache_dir))
 
 
 def test_concurrent_resolution_builds_one_folder(tmp_path: Path) -> None:
@@ -141,7 +168,7 @@ def test_interrupted_build_is_redone(tmp_path: Path) -> None:
     target.mkdir()
     (target / "config.json").write_text("{}")  # a half-written folder without the marker
     (tmp_path / f".{target.name}.tmp-crashed").mkdir()
-    folder = resolve_model_path("tiny-random", cache_dir=str(tmp_path), tiny=TINY)
+    folder = resolve_model_path("tiny-random", cache_dir=str(tmp_path))
     assert (Path(folder) / MARKER).is_file() and (Path(folder) / "model.safetensors").is_file()
     assert not (tmp_path / f".{target.name}.tmp-crashed").exists()
 
@@ -151,6 +178,31 @@ def test_missing_folder_errors(tmp_path: Path) -> None:
         resolve_model_path(str(tmp_path / "nope"), cache_dir=None)
     with pytest.raises(FileNotFoundError, match=r"--model.path .* has no config.json"):
         resolve_model_path(str(tmp_path), cache_dir=None)
+
+
+def test_folder_without_tokenizer_says_which_files_are_missing(tmp_path: Path, tiny_folder: str) -> None:
+    """Weights copied without their tokenizer: the error lists the tokenizer files (transformers'
+    own says only that it could not instantiate a backend tokenizer)."""
+    import re
+    import shutil
+
+    from spmd_rl.models import load_tokenizer
+
+    weights_only = tmp_path / "weights_only"
+    weights_only.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_folder) / name, weights_only / name)
+    with pytest.raises(ValueError, match=re.escape(
+            f"{weights_only}: no tokenizer there: a Hugging Face tokenizer needs tokenizer.json (or tokenizer.model, "
+            "or vocab.json + merges.txt, or vocab.txt) with its tokenizer_config.json, and this folder has none of "
+            "them and no tokenizer_config.json (it holds config.json, model.safetensors); copy those files")):
+        load_tokenizer(str(weights_only))
+    (weights_only / "vocab.json").write_text("{}")
+    shutil.copy(Path(tiny_folder) / "tokenizer_config.json", weights_only / "tokenizer_config.json")
+    with pytest.raises(ValueError, match=r"this folder has only vocab\.json, without merges\.txt, \(it holds"):
+        load_tokenizer(str(weights_only))
+    shutil.copy(Path(tiny_folder) / "tokenizer.json", weights_only / "tokenizer.json")
+    assert load_tokenizer(str(weights_only)).padding_side == "left"
 
 
 def test_smollm2_without_its_package_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,9 +225,117 @@ def test_model_flops_per_token(tiny_folder: str) -> None:
     assert model_flops_per_token(cfg, seq_len=seq) == 6 * matmul_params + 12 * layers * h * seq
 
 
+# --------------------------------------------------------------------------- a local GGUF file
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The 256 characters of GPT-2's byte-level BPE, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(extra)) for b in range(256)]
+
+
+def write_tiny_gguf(path: Path, *, seed: int = 0) -> None:
+    """A 2-layer Llama GGUF (hidden 64, 4 query / 2 kv heads, float32 tensors, tied head) with a byte-level
+    BPE tokenizer of 261 tokens: a few kB, read by transformers' GGUF loader as SmolLM2's file is."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    layers, hidden, heads, kv_heads, ffn = 2, 64, 4, 2, 128
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_alphabet(), "Ġt", "he"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(["Ġ t", "h e"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    rng = np.random.default_rng(seed)
+
+    def tensor(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (0.02 * rng.standard_normal(shape)).astype(np.float32))
+
+    tensor("token_embd.weight", len(tokens), hidden)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    kv = hidden // heads * kv_heads
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
+                                 ("attn_output", hidden, hidden), ("ffn_gate", ffn, hidden),
+                                 ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+            tensor(f"blk.{i}.{name}.weight", rows, cols)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_local_gguf_file_is_dequantised_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "models" / "tiny.gguf"
+    src.parent.mkdir()
+    write_tiny_gguf(src)
+    cache = tmp_path / "cache"
+    folder = Path(resolve_model_path(str(src), cache_dir=str(cache)))
+    assert folder.parent == cache and folder.name.startswith("gguf-tiny-") and (folder / MARKER).is_file()
+    info = json.loads((folder / MARKER).read_text())
+    assert info["source"] == str(src.resolve()) and info["size"] == src.stat().st_size
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+
+    saved = AutoModelForCausalLM.from_pretrained(str(folder))  # plain load, no gguf involved
+    reference = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    assert saved.dtype == torch.float32 and saved.config.num_hidden_layers == 2
+    tok = load_tokenizer(str(folder))
+    ids = tok("the cat")["input_ids"]
+    assert tok.decode(ids) == "the cat"
+    with torch.no_grad():
+        torch.testing.assert_close(saved(torch.tensor([ids])).logits, reference(torch.tensor([ids])).logits)
+
+    # Resolved again, also through a relative path: the same folder, not rebuilt.
+    marker_mtime = (folder / MARKER).stat().st_mtime_ns
+    monkeypatch.chdir(src.parent)
+    assert resolve_model_path("tiny.gguf", cache_dir=str(cache)) == str(folder)
+    assert (folder / MARKER).stat().st_mtime_ns == marker_mtime
+
+    # The file replaced in place (other weights, later mtime): dequantised anew into another folder.
+    mtime = src.stat().st_mtime_ns
+    write_tiny_gguf(src, seed=1)
+    os.utime(src, ns=(mtime + 10**9, mtime + 10**9))
+    other = Path(resolve_model_path(str(src), cache_dir=str(cache)))
+    assert other != folder and other.name.startswith("gguf-tiny-")
+    w = lambda f: load_causal_lm(str(f), dtype=torch.float32).model.embed_tokens.weight  # noqa: E731
+    assert not torch.equal(w(folder), w(other))
+
+
+def test_local_gguf_without_its_packages_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("accelerate", reason="needs accelerate (only gguf is made to look missing)")
+    src = tmp_path / "model.gguf"
+    src.write_bytes(b"GGUF")  # never parsed: the package check comes first
+    real_find_spec = builtin.importlib.util.find_spec
+    monkeypatch.setattr(builtin.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    with pytest.raises(ImportError, match=r"--model.path .*model.gguf: dequantising the GGUF file needs the "
+                                          r"package\(s\) gguf; run: pip install gguf accelerate"):
+        resolve_model_path(str(src), cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
 # --------------------------------------------------------------------------- smollm2
 
 
+@deps.smollm2
 def test_smollm2_materialised_folder_is_plain_and_matches_gguf(smollm2_folder: str) -> None:
     folder = Path(smollm2_folder)
     assert folder.name == SMOLLM2_NAME and (folder / MARKER).is_file()
@@ -191,6 +351,7 @@ def test_smollm2_materialised_folder_is_plain_and_matches_gguf(smollm2_folder: s
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+@deps.smollm2
 def test_smollm2_greedy_answers_arithmetic(smollm2_folder: str) -> None:
     tok = load_tokenizer(smollm2_folder)
     assert tok.pad_token is not None and tok.padding_side == "left"

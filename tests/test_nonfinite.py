@@ -53,7 +53,7 @@ def _body(rank: int, world_size: int, folder: str, skip: int) -> dict:
 
 @pytest.fixture(scope="module")
 def folder() -> str:
-    return resolve_model_path("tiny-random", cache_dir=None, tiny=None)
+    return resolve_model_path("tiny-random", cache_dir=None)
 
 
 def test_first_nonfinite_update_stops_the_run_and_names_the_cause(folder):

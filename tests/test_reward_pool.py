@@ -33,7 +33,7 @@ from spmd_rl.config import ActorConfig, Config, DataConfig, PoolsConfig, RewardC
 from spmd_rl.distributed.testing import free_port, run_distributed
 
 CACHE = os.environ["SPMD_RL_CACHE"]
-RM = RewardModelConfig(path="tiny-random-rm", micro_batch_size=2, tiny_seed=0)
+RM = RewardModelConfig(path="tiny-random-rm", micro_batch_size=2)
 
 
 def _rows(global_rank: int, round_: int) -> list[list[int]]:
@@ -147,14 +147,15 @@ def test_reward_pool_scores_match_one_process(world_size: int, reward_ranks: int
 
 def colocated_body(rank: int, world_size: int, fresh_cache: str) -> list[list[float]]:
     from spmd_rl.data.tasks import Sample
-    from spmd_rl.models import load_tokenizer, resolve_model_path
+    from spmd_rl.models import load_tokenizer
     from spmd_rl.reward.model import resolve_reward_model
     from spmd_rl.reward.run import build_run_reward
+    from support.tiny import tiny_model_folder
 
     env, groups = _setup(0, world_size)
     assert groups.exchange is None
     if rank == 1:  # a built-in built by a rank other than 0 still gets its weights (transformers >= 5)
-        built = Path(resolve_model_path("tiny-random-rm", cache_dir=fresh_cache, tiny={"seed": 5}))
+        built = Path(tiny_model_folder(fresh_cache, seed=5, reward_model=True))
         assert (built / "model.safetensors").is_file() and (built / "config.json").is_file()
     tok = load_tokenizer(resolve_reward_model(RM, cache_dir=CACHE))
     reward = build_run_reward(reward=RewardConfig(fn="none", model=RM), task="arithmetic", system_prompt=None,
@@ -234,7 +235,7 @@ TINY = [
     "--model.path", "tiny-random", "--data.task", "arithmetic", "--data.train-batch-size", "4",
     "--data.val-size", "1", "--rollout.n", "4", "--rollout.max-new-tokens", "6", "--actor.ppo-mini-batch-size", "4",
     "--actor.micro-batch-size", "16", "--algo.kl-coef", "0.0", "--logging.wandb", "off", "--logging.no-console",
-    "--checkpoint.no-save-final", "--trainer.dist-timeout-s", "60", "--pools.reward-ranks", "1",
+    "--checkpoint.no-save-final", "--trainer.dist-timeout-s", "60", "--trainer.stall-timeout-s", "30", "--pools.reward-ranks", "1",
 ]
 
 

@@ -17,6 +17,7 @@ from spmd_rl.models import load_causal_lm, load_tokenizer, resolve_model_path
 from spmd_rl.models.builtin import SMOLLM2_NAME
 from spmd_rl.rollout import GenerationOutput, NativeRollout, RolloutEngine, build_rollout
 from spmd_rl.rollout.native import filter_logits, sample_next
+from support import deps
 from support.numerics import perturbed_copy
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -111,6 +112,7 @@ def test_sampling_logprobs_match_teacher_forced_forward(folder: str, tok, prompt
     assert (out.logprobs[~mask] == 0).all() and (out.logprobs[mask] < 0).all()
 
 
+@deps.smollm2
 def test_sampling_logprobs_match_on_smollm2(pytestconfig: pytest.Config, tmp_path_factory) -> None:
     cache = os.environ.get("SPMD_RL_CACHE") or (
         str(pytestconfig.cache.mkdir("spmd_rl_models")) if getattr(pytestconfig, "cache", None)
@@ -165,6 +167,35 @@ def test_eos_stops_rows_and_masks(folder: str, tok, prompts) -> None:
     # When every row stops early, the batch stops and T is the longest response.
     single = make_engine(folder, tok, eos=[row0[0]]).generate(prompts[:1], n=2, max_new_tokens=20, **greedy)
     assert single.response_ids.shape == (2, 1) and not single.truncated.any()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "hf-loop"])
+def test_no_eos_ids_run_every_row_to_max_new_tokens(folder: str, tok, prompts, fast: bool) -> None:
+    """``eos_token_ids=[]`` (``rollout.ignore_eos``): no row stops early, even one that samples EOS."""
+    engine = NativeRollout(folder, device=torch.device("cpu"), dtype=torch.float32, batch_size=16,
+                           pad_token_id=tok.pad_token_id, eos_token_ids=[], fast_decode=fast)
+    free = make_engine(folder, tok).generate(prompts, n=1, max_new_tokens=20, temperature=0.0, top_p=1.0, top_k=0,
+                                             seed=0)
+    out = engine.generate(prompts, n=1, max_new_tokens=20, temperature=0.0, top_p=1.0, top_k=0, seed=0)
+    assert out.response_mask.eq(1).all() and out.truncated.all() and out.response_ids.shape == (len(prompts), 20)
+    for ref, got in zip(responses(free), responses(out)):
+        assert got[:len(ref)] == ref  # the same greedy tokens, past any EOS too
+    first = make_engine(folder, tok, eos=[responses(free)[0][0]])  # an "EOS" the first row samples at once
+    assert first.generate(prompts[:1], n=1, max_new_tokens=20, temperature=0.0, top_p=1.0, top_k=0,
+                          seed=0).response_ids.shape == (1, 1)
+
+
+
+def test_ignore_eos_gives_the_engine_no_eos_ids(folder: str, tok) -> None:
+    from spmd_rl.config import RolloutConfig
+    from spmd_rl.rollout import build_rollout_from_config
+
+    for ignore in (False, True):
+        engine = build_rollout_from_config(RolloutConfig(ignore_eos=ignore), model_folder=folder,
+                                           device=torch.device("cpu"), pad_token_id=tok.pad_token_id,
+                                           eos_token_ids=[tok.eos_token_id], trust_remote_code=False,
+                                           max_prompt_length=64, seed=0)
+        assert engine.eos_token_ids == ([] if ignore else [tok.eos_token_id])
 
 
 def test_generation_output_checks_shapes() -> None:

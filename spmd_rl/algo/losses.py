@@ -1,10 +1,10 @@
-"""Policy-gradient losses, KL penalties, loss aggregation and logit helpers.
+"""Policy-gradient losses, KL penalties, loss aggregation and the rollout IS weights.
 
-Shapes: ``B`` responses, ``T`` response tokens, ``V`` vocabulary. Masks are
-0/1 float or bool ``[B, T]``. Typical use inside a training micro-step::
+Shapes: ``B`` responses, ``T`` response tokens. Masks are 0/1 float or bool
+``[B, T]``. Typical use inside a training micro-step::
 
     from spmd_rl.algo import losses
-    logp = losses.logprobs_from_logits(logits, response_ids)
+    logp = ...  # [B, T] log-probs of the responses (the engine's log-prob head)
     pg_loss, metrics = losses.ppo_clip(
         logp, old_logp, adv, mask, global_tokens=n_tokens_in_dp_minibatch)
     kl = losses.aggregate(losses.kl_penalty(logp, ref_logp, "k3"), mask,
@@ -34,8 +34,6 @@ __all__ = [
     "ppo_clip",
     "gspo",
     "truncated_is_weights",
-    "entropy_from_logits",
-    "logprobs_from_logits",
 ]
 
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
@@ -300,42 +298,3 @@ def truncated_is_weights(
             "rollout_kl": _masked_mean(-log_ratio, response_mask),
         }
     return weights, metrics
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim, ``[...]``.
-
-    Uses ``logsumexp(z) - sum(softmax(z) z)``, which never takes log of a
-    probability, so it is stable for large-magnitude logits. Computed in at
-    least float32. Logits must be finite (mask vocab entries with a large
-    negative number, not -inf: 0 * -inf is NaN).
-    """
-    z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-    p = torch.softmax(z, dim=-1)
-    return torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)
-
-
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[labels] over the last dim: ``[B, T, V], [B, T] -> [B, T]``.
-
-    For float32/64 logits this is ``gather - logsumexp`` with no full
-    log-softmax tensor. For half/bf16 logits the log-softmax runs in float32
-    one row at a time, so at most one ``[T, V]`` float32 copy exists at once.
-    Returns float32 (float64 for float64 logits). Differentiable.
-    """
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"labels shape {tuple(labels.shape)} != logits shape without vocab dim "
-            f"{tuple(logits.shape[:-1])}"
-        )
-    idx = labels.long().unsqueeze(-1)
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = logits.gather(-1, idx).squeeze(-1)
-        return picked - torch.logsumexp(logits, dim=-1)
-    if logits.dim() < 2:
-        return torch.log_softmax(logits.float(), dim=-1).gather(-1, idx).squeeze(-1)
-    rows = [
-        torch.log_softmax(row.float(), dim=-1).gather(-1, row_idx).squeeze(-1)
-        for row, row_idx in zip(logits, idx)
-    ]
-    return torch.stack(rows)

@@ -7,6 +7,11 @@
 Every term is aggregated with the GLOBAL token / sequence counts of the data-parallel mini-batch,
 so summing the returned losses over all micro-batches on all ranks gives the mini-batch objective
 exactly; engines must therefore sum (not average) gradients across ranks.
+
+With ``algo.rollout_is=token_truncated`` each token's policy loss is weighted by
+``min(exp(old - rollout), algo.rollout_is_cap)`` (:func:`losses.truncated_is_weights`), which corrects
+for the numerical gap between the rollout engine's and the trainer's log-probs; the mismatch is
+logged as ``rollout/is_weight_mean``, ``rollout/is_clip_frac`` and ``rollout/rollout_kl``.
 """
 
 from __future__ import annotations

@@ -46,10 +46,6 @@ class Sample:
     columns: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] | None = None
 
-    def column_dict(self) -> dict[str, Any]:
-        """``answer`` plus every extra column of this sample."""
-        return {"answer": self.answer, **self.columns}
-
 
 def columns_of(samples: Iterable[Sample]) -> dict[str, list[Any]]:
     """Column-wise view of samples for scorers: ``{"answer": [...], "target": [...], ...}``.

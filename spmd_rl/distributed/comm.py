@@ -203,10 +203,6 @@ class PoolExchange:
         self._done: dict[int, str | None] = {}  # server side: client -> None (stop) or abort message
         self._closed = False
 
-    @property
-    def is_server(self) -> bool:
-        return self.rank in self.servers
-
     # ------------------------------------------------------------------ client side
     def request(self, rows: Sequence[Any]) -> list[Any]:
         """Send ``rows`` to the servers; return one result per row, in order. Every client calls

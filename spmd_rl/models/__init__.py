@@ -1,14 +1,14 @@
 """Models: find or materialise a model folder, then load its tokenizer and weights.
 
-    folder = resolve_model_path(cfg.model.path, cache_dir=cfg.model.cache_dir,
-                                tiny={"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 0})
+    folder = resolve_model_path(cfg.model.path, cache_dir=cfg.model.cache_dir)
     tok = load_tokenizer(folder)
+    eos = eos_token_ids(tok)                                  # the ids that end a response
     model = load_causal_lm(folder, dtype=torch.float32)       # on CPU, eval mode; caller moves it
     rm = load_reward_model(rm_folder, dtype=torch.float32)    # sequence classifier, one output
     flops = model_flops_per_token(model.config, seq_len=512)  # for MFU; FlopsModel: per phase
 
-Nothing here uses the network: a model is a local Hugging Face folder, or a built-in name that is
-materialised once into the cache (see :mod:`spmd_rl.models.builtin`).
+Nothing here uses the network: a model is a local Hugging Face folder, a local ``.gguf`` file or a
+built-in name; the last two are materialised once into the cache (see :mod:`spmd_rl.models.builtin`).
 """
 
 from __future__ import annotations
@@ -19,29 +19,33 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 
 from .builtin import (
-    BUILTIN_NAMES, SMOLLM2_NAME, TINY_NAME, TINY_RM_NAME, TinyShape, cache_root, materialise_smollm2,
-    materialise_tiny_random, materialise_tiny_random_rm,
+    BUILTIN_NAMES, SMOLLM2_NAME, TINY_NAME, TINY_RM_NAME, TinyShape, cache_root, materialise_gguf,
+    materialise_smollm2, materialise_tiny_random, materialise_tiny_random_rm,
 )
 from .flops import FlopsModel, model_flops_per_token
-from .tokenizer import build_char_tokenizer, load_tokenizer
+from .tokenizer import build_char_tokenizer, eos_token_ids, load_tokenizer
 
 
-def resolve_model_path(path: str, *, cache_dir: str | None, tiny: dict | None = None) -> str:
+def resolve_model_path(path: str, *, cache_dir: str | None) -> str:
     """Return a local folder holding ``config.json``, weights and tokenizer for ``path``.
 
-    ``path`` is a local Hugging Face folder or a built-in name (``smollm2-135m-instruct``,
-    ``tiny-random``, the reward model ``tiny-random-rm``). Built-ins are written once under
-    ``cache_dir`` (default ``$SPMD_RL_CACHE`` or ``~/.cache/spmd_rl``); concurrent callers (all
-    ranks) are safe. ``tiny`` gives the ``tiny-random(-rm)`` shape: keys ``layers``, ``hidden``,
-    ``heads``, ``kv_heads``, ``seed``.
+    ``path`` is a local Hugging Face folder, a local ``.gguf`` file (dequantised once to float32,
+    cached by its absolute path, size and modification time; needs the ``gguf`` package) or a built-in
+    name (``smollm2-135m-instruct``, ``tiny-random``, the reward model ``tiny-random-rm``). Built-ins
+    and GGUF files are written once under ``cache_dir`` (default ``$SPMD_RL_CACHE`` or
+    ``~/.cache/spmd_rl``); concurrent callers (all ranks) are safe. ``tiny-random(-rm)`` have the
+    default :class:`~.builtin.TinyShape`; a model of another shape or seed is a folder built with
+    :func:`~.builtin.materialise_tiny_random`.
     """
     if path == SMOLLM2_NAME:
         return str(materialise_smollm2(cache_root(cache_dir)))
     if path == TINY_NAME:
-        return str(materialise_tiny_random(cache_root(cache_dir), TinyShape.from_dict(tiny)))
+        return str(materialise_tiny_random(cache_root(cache_dir), TinyShape()))
     if path == TINY_RM_NAME:
-        return str(materialise_tiny_random_rm(cache_root(cache_dir), TinyShape.from_dict(tiny)))
+        return str(materialise_tiny_random_rm(cache_root(cache_dir), TinyShape()))
     folder = Path(path).expanduser()
+    if folder.suffix.lower() == ".gguf" and folder.is_file():
+        return str(materialise_gguf(cache_root(cache_dir), folder))
     if (folder / "config.json").is_file():
         return str(folder.resolve())
     if folder.is_dir():
@@ -50,8 +54,8 @@ def resolve_model_path(path: str, *, cache_dir: str | None, tiny: dict | None = 
             "point it at a Hugging Face model folder (config.json, *.safetensors, tokenizer files)"
         )
     raise FileNotFoundError(
-        f"--model.path {path}: no such folder ({folder.resolve()}/config.json not found) and not a "
-        f"built-in model name ({', '.join(BUILTIN_NAMES)})"
+        f"--model.path {path}: no such folder ({folder.resolve()}/config.json not found), not a local "
+        f".gguf file and not a built-in model name ({', '.join(BUILTIN_NAMES)})"
     )
 
 
@@ -107,14 +111,9 @@ def check_sliding_window(longest: int, window: int | None, *, engine: str) -> No
             "rollout.max_new_tokens to the window or below")
 
 
-def count_params(model: torch.nn.Module, *, trainable_only: bool = False) -> int:
-    """Number of parameters; tied weights (shared tensors) count once."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
-
-
 __all__ = [
     "check_sliding_window",
     "sliding_window",
-    "BUILTIN_NAMES", "FlopsModel", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "build_char_tokenizer", "count_params",
+    "BUILTIN_NAMES", "FlopsModel", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "build_char_tokenizer", "eos_token_ids",
     "load_causal_lm", "load_reward_model", "load_tokenizer", "model_flops_per_token", "resolve_model_path",
 ]

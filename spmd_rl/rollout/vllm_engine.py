@@ -91,8 +91,6 @@ class VllmRollout:
         world = dist.get_world_size()
         if world % (tp * pp):
             raise ValueError(f"rollout.tp ({tp}) * rollout.pp ({pp}) does not divide the world size ({world})")
-        if not eos_token_ids:
-            raise ValueError("VllmRollout: eos_token_ids is empty; give the tokenizer's EOS id(s)")
         self.device = torch.device(device)
         self.dtype = dtype
         self.batch_size = batch_size
@@ -187,7 +185,7 @@ class VllmRollout:
         params = [
             SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
                            seed=(seed * 1_000_003 + 7919 * i) % _SEED_MOD, logprobs=0,
-                           stop_token_ids=self.eos_token_ids, detokenize=False)
+                           stop_token_ids=self.eos_token_ids, ignore_eos=not self.eos_token_ids, detokenize=False)
             for i in range(len(prompt_ids))
         ]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params,

@@ -19,7 +19,7 @@ STEPS = 3
 def short_run(out_dir: str) -> list[str]:
     """Flags of a 3-step GRPO run on the built-in tiny random model, small enough for 2 CPU cores."""
     return [
-        "--model.path", "tiny-random", "--model.tiny-layers", "2", "--model.tiny-hidden", "64",
+        "--model.path", "tiny-random",
         "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "16",
         "--rollout.n", "4", "--rollout.max-new-tokens", "8",
         "--actor.ppo-mini-batch-size", "8", "--actor.micro-batch-size", "16",

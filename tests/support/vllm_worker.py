@@ -27,7 +27,8 @@ from spmd_rl.config import FsdpConfig  # noqa: E402
 from spmd_rl.data.batch import RolloutBatch  # noqa: E402
 from spmd_rl.distributed.dims import FsdpLayout, RolloutLayout  # noqa: E402
 from spmd_rl.engine.fsdp import FSDPEngine  # noqa: E402
-from spmd_rl.models import load_causal_lm, load_tokenizer, resolve_model_path  # noqa: E402
+from spmd_rl.models import load_causal_lm, load_tokenizer  # noqa: E402
+from spmd_rl.models.builtin import TinyShape, cache_root, materialise_tiny_random  # noqa: E402
 
 TINY = dict(layers=4, hidden=256, heads=4, kv_heads=2, seed=0)
 MESSAGES = ["What is 2+3?", "Hi", "Please add 17 and 25, then explain the result in words.", "7*8?"]
@@ -96,7 +97,7 @@ def main(mode: str, out_dir: Path) -> None:
     tp, pp = int(os.environ.get("TP", "1")), int(os.environ.get("PP", "1"))
     from spmd_rl.rollout import build_rollout
 
-    folder = resolve_model_path("tiny-random", cache_dir=None, tiny=TINY)
+    folder = str(materialise_tiny_random(cache_root(None), TinyShape(**TINY)))
     if mode == "single":  # tied embeddings: the hot-swap must reach vLLM's processed lm_head too
         folder = tied_folder(folder, out_dir)
     tok = load_tokenizer(folder)

@@ -164,13 +164,13 @@ def load_hf_weights(chunks: list[torch.nn.Module], spec: ModelSpec, hf: dict[str
             elif kind == "row":
                 put(layer, mname, values[0].chunk(r.tp, dim=1)[r.tp_rank])
             elif kind == "fc1":
-                put(layer, mname, torch.cat([values[0].chunk(r.tp)[r.tp_rank], values[1].chunk(r.tp)[r.tp_rank]]))
+                put(layer, mname, fuse_gate_up(*values, r.tp).chunk(r.tp)[r.tp_rank])
             else:
                 for j in range(per_expert):
                     e = r.ep_rank * per_expert + j
                     if kind == "expert_fc1":
                         gate, up = values[0][e].chunk(2)
-                        value = torch.cat([gate.chunk(r.etp)[r.etp_rank], up.chunk(r.etp)[r.etp_rank]])
+                        value = fuse_gate_up(gate, up, r.etp).chunk(r.etp)[r.etp_rank]
                     else:
                         value = values[0][e].chunk(r.etp, dim=1)[r.etp_rank]
                     put(layer, mname.format(j), value)

@@ -6,7 +6,7 @@
 index of column 0; columns at or past ``vocab`` (the padding megatron needs for an even split) are
 dropped before the softmax. Three all-reduces over the tp group: the max (no gradient), the sum of
 exponentials and the target logit (sums; identity backward, since every tp rank back-propagates
-the same loss). Equal to ``logprobs_from_logits`` / ``entropy_from_logits`` on the full logits.
+the same loss). Equal to the log-softmax at the labels / the softmax's entropy on the full logits.
 """
 
 from __future__ import annotations
