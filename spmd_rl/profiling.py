@@ -11,6 +11,11 @@ The profiler slows the host side, so the wall times of a profiled step are an up
 time is summed over all streams and counted in the stage where the kernel started: kernels that
 overlap (compute next to NCCL) can add up to more than the wall time, and a collective that waits
 for a slower rank counts as busy. Read the busy share of multi-GPU runs with the trace at hand.
+
+:func:`idle_gaps` / :func:`format_idle_gaps` find where the device idled inside a profiled window
+and group the gaps by what the host was doing (the shortest torch range spanning most of the gap,
+plus the CUDA runtime call when the host waited in one, e.g. ``aten::item / cudaStreamSynchronize``)
+and by the kernel that ended them; ``bench/update.py --profile`` prints that table.
 """
 
 from __future__ import annotations

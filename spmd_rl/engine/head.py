@@ -11,7 +11,8 @@ x ``V`` x 4 bytes (16k tokens x 152k vocab = 10 GB in fp32). :class:`ChunkedLogp
 log-prob of each label and (optionally) the entropy ``chunk_tokens`` positions at a time, keeping
 only ``[N]`` results; its backward recomputes each chunk's logits and writes the gradients of the
 hidden states and of the head weight chunk by chunk. When the logits of all chunks fit in
-``keep_bytes`` (or there is a single chunk) the forward keeps them for the backward instead: no
+``keep_bytes`` (``actor.fsdp.keep_logits_gib``, default 1/16 of the GPU's memory) or there is a
+single chunk, and a backward will run, the forward keeps them for the backward instead: no
 recomputed GEMM (2 N V H FLOPs, ~2 % of a 1.5B update), at the memory of the raw logits. The
 numbers are those of the plain path ``log_softmax(linear(h, W).float() / T)`` (the engine's former
 code), up to the order of float sums: logits are computed in the weight's dtype (bf16 under FSDP

@@ -16,7 +16,10 @@ as is; RoPE uses the sliced ``position_ids``. Inside attention, :func:`varlen_sd
 q/k/v from sequence-sharded ``[R, H, W/k, D]`` to head-sharded ``[R, H/k, W, D]``, runs SDPA over
 whole sequences with the block-diagonal causal mask of the full rows, and all-to-alls back. On
 GPU the engine passes ``cu_seqlens`` instead of a mask and attention runs torch's flash varlen
-kernel on the rows flattened to ``[R * W]`` tokens (no ``W x W`` mask, no masked-out work).
+kernel on the rows flattened to ``[R * W]`` tokens (no ``W x W`` mask, no masked-out work), with
+grouped-query attention native in the kernel (no k/v repeat): ``enable_gqa`` where ``varlen_attn``
+has it, else :class:`_GroupedFlashVarlen` (aten's flash forward / backward ops, torch 2.11). The
+FSDP engine uses :func:`varlen_sdpa` for every layout, with or without sp.
 
 Gradients. Each sp rank ends its forward with an all-gather of its slice's per-position
 log-probs (:func:`gather_sequence`), so every sp rank computes the same loss value from the same
