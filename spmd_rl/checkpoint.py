@@ -2,10 +2,13 @@
 
     ckpt = Checkpointer(checkpoint=cfg.checkpoint, output_dir=cfg.trainer.output_dir,
                         total_steps=cfg.trainer.total_steps, rank_table=rows, config=to_dict(cfg))
-    sink = RunSink(..., start_step=ckpt.start_step)          # known before anything is loaded
+    sink = RunSink(..., start_step=ckpt.start_step,          # known before anything is loaded
+                   start_elapsed_s=ckpt.start_elapsed_s)
     ckpt.track(model_folder=folder, actor=engine, sampler=sampler)   # state_dict()/load_state_dict()
+    ckpt.check_writable(checkpoint_bytes(num_params))        # before the first step: writable, space
     step = ckpt.resume()                                     # 0 on a fresh start
     while step < total: ...; ckpt.maybe_save(step)           # its own cadence: every N, final
+    ckpt.close()                                             # releases the output folder's lock
 
 What a checkpoint holds (``<output_dir>/checkpoints/step_N/``):
 
@@ -13,16 +16,29 @@ What a checkpoint holds (``<output_dir>/checkpoints/step_N/``):
   actor's sharded model and optimizer (DTensors, never gathered), its LR scheduler, the prompt
   sampler's position. DCP files: ``.metadata`` and one ``__R_0.distcp`` per rank;
 * ``rng/rank_R.json``: every rank's Python ``random``, NumPy, torch CPU (and CUDA) RNG states;
-* ``meta.json``: step, time, the rank table of the saving run, the model it trained;
+* ``meta.json``: step, time, the run's elapsed wall time (``elapsed_s``, continued by a resume), the
+  rank table of the saving run, the model it trained;
 * ``config.yaml``: the run's resolved config;
 * ``hf/``: the model folder's config and tokenizer files, so ``python -m spmd_rl.export`` needs
   nothing else;
+* ``manifest.json``: size and SHA-256 of every file above (each rank checksums what it wrote);
 * ``COMPLETE``: the completion marker, written last.
+
+One run per output folder: the constructor's rank 0 takes ``<output_dir>/.lock`` (an ``fcntl`` lock,
+released when the process ends) before it reads or writes anything there; a second run refuses,
+naming the holder's host, pid and start time.
 
 Atomicity: every rank writes into ``checkpoints/.tmp-step_N``; after a barrier rank 0 writes the
 marker, renames the folder to ``step_N`` and replaces the ``latest`` pointer file (temp file +
 ``os.replace``). A process killed at any point leaves the previous checkpoint complete and chosen
-by ``resume: auto``, which ignores ``.tmp-*`` folders and folders without the marker.
+by ``resume: auto``, which ignores ``.tmp-*`` folders and folders without the marker. A save that
+runs out of disk space removes its partial folder and keeps the previous checkpoint: a periodic
+save warns and training goes on, the last save raises.
+
+Verification: before loading, the ranks checksum the chosen checkpoint's files against its manifest
+(each a share) and rank 0 parses what a resume reads; ``auto`` falls back to the newest older
+checkpoint that verifies (a warning names the skipped one and its bad file), an explicit path
+fails naming the file. Checkpoints without a manifest (older saves) get the parse checks only.
 
 Resume reshards: DCP maps the saved shards onto the current world size and FSDP/HSDP layout. The
 RNG state of rank R comes from ``rng/rank_R.json`` when the saving run had that rank. Differences
@@ -32,42 +48,50 @@ refused. Non-tensor values inside DCP are read back with ``torch.load(weights_on
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
+from torch.distributed.checkpoint.api import CheckpointException
 
-from spmd_rl.checkpoint_files import (  # noqa: F401 (re-exported: the names users of this module import)
-    CHECKPOINTS, FORMAT_VERSION, LATEST, MARKER, STEP_PREFIX, TMP_PREFIX, SafeEmptyLoadPlanner, SafeLoadPlanner,
-    describe_differences, folder_bytes, fsync_dir, is_complete, latest_checkpoint, list_checkpoints,
-    load_without_process_group, read_meta, resolve_checkpoint, rng_state, set_rng_state, step_of, truncate_metrics,
-    write_atomic, write_file,
+from spmd_rl.checkpoint_files import (
+    CHECKPOINTS, FORMAT_VERSION, LATEST, MANIFEST, MARKER, STEP_PREFIX, TMP_PREFIX, CorruptCheckpoint,
+    SafeLoadPlanner, describe_differences, describe_files, folder_bytes, fsync_dir, is_complete,
+    latest_checkpoint, list_checkpoints, lock_output_dir, manifest_problems, read_meta, resolve_checkpoint,
+    rng_state, set_rng_state, step_of, structure_problems, truncate_metrics, unlock_output_dir, write_atomic,
+    write_file, write_manifest,
 )
 from spmd_rl.config import CheckpointConfig
-from spmd_rl.distributed.comm import broadcast_object, fail_together
+from spmd_rl.distributed.comm import all_gather_objects, broadcast_object, fail_together
 
 log = logging.getLogger("spmd_rl")
 # Weight files are not copied into a checkpoint's hf/ folder: the checkpoint holds the weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 _NOT_COPIED = {"model.safetensors.index.json", "pytorch_model.bin.index.json", ".spmd_rl_complete"}
+_UNVERIFIED: set[str] = set()  # checkpoints without a manifest already warned about (once each)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class Stateful(Protocol):
-    """What a checkpoint saves and a resume restores. A component whose saved state holds more than
-    a resume needs (the megatron engine's HF copy, for export only) also has ``state_dict_to_load()``:
-    the part a resume fills, so checkpoints written without the extra part still load."""
+    """What a checkpoint saves and a resume restores (the engines, the prompt sampler)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+EXPORT = "hf"
+"""Top-level checkpoint entry of the full HF-named weights that ``spmd_rl.export`` reads when the
+actor's own state does not hold them under HF names (the megatron engine's); written, never loaded."""
 
 
 class Checkpointer:
@@ -89,51 +113,122 @@ class Checkpointer:
         self.rank = dist.get_rank() if distributed else 0
         self.is_coordinator = (dist.get_rank(group) if distributed else 0) == 0
         self.components: dict[str, Stateful] = {}
+        self.export: Callable[[], dict[str, torch.Tensor]] | None = None
         self.model_folder: str | None = None
-        # Rank 0 decides what to resume from and tells the others, so all load the same folder.
-        source = None
-        with fail_together(group=group, what="finding the checkpoint to resume"):
+        self.output_dir = Path(output_dir)
+        self.group_rank = dist.get_rank(group) if distributed else 0
+        self.group_size = dist.get_world_size(group) if distributed else 1
+        self.expected_bytes: int | None = None  # one checkpoint's size: check_writable's estimate, then the last save's
+        # One live run per output folder: rank 0 locks it before anything in it is read or written.
+        self._locked = False
+        with fail_together(group=group, what=f"locking the output folder {output_dir}"):
             if self.is_coordinator:
-                source = self._locate()
-        coordinator = dist.get_global_rank(group, 0) if distributed and group is not None else 0
-        source = broadcast_object(None if source is None else str(source), src=coordinator, group=group)
-        self.source: Path | None = Path(source) if source else None
+                self._locked = lock_output_dir(output_dir) is not None
+        try:
+            # Rank 0 lists what to resume from and tells the others; all verify the checkpoint together
+            # (each rank checksums a share of its files), so all load the same folder.
+            candidates = None
+            with fail_together(group=group, what="finding the checkpoint to resume"):
+                if self.is_coordinator:
+                    candidates = [str(p) for p in self._locate()]
+            coordinator = dist.get_global_rank(group, 0) if distributed and group is not None else 0
+            candidates = broadcast_object(candidates, src=coordinator, group=group)
+            self.source: Path | None = self._first_verified([Path(c) for c in candidates])
+        except BaseException:
+            self.close()
+            raise
         self.start_step = 0
+        self.start_elapsed_s = 0.0  # the run's wall time when the checkpoint was saved: elapsed_s goes on from it
         if self.source is not None:
-            self.start_step = int(read_meta(self.source)["step"])
+            saved = read_meta(self.source)
+            self.start_step = int(saved["step"])
+            self.start_elapsed_s = float(saved.get("elapsed_s", 0.0))
+        self._clock_zero = time.time() - self.start_elapsed_s
         self._last_saved = self.start_step if self.source is not None else None
         if self.is_coordinator:
+            if self.source is not None:
+                self.expected_bytes = folder_bytes(self.source)  # what the next save will need, about
             dropped = truncate_metrics(self.metrics_path, self.start_step if self.source is not None else -1)
             if dropped:
                 log.info(f"{self.metrics_path}: dropped {dropped} line(s) after step {self.start_step}, "
                          "which this run logs again")
 
-    def _locate(self) -> Path | None:
-        """What to resume from (coordinator only): None, or a complete checkpoint folder."""
+    def _locate(self) -> list[Path]:
+        """What to resume from (coordinator only), best first: nothing, the named checkpoint, or for
+        ``auto`` the newest complete checkpoint and then the older ones (the fallbacks when it does
+        not verify)."""
         mode = self.cfg.resume
         if mode == "never":
             if list_checkpoints(self.root):
                 log.warning(f"checkpoint.resume=never: {self.root} already holds checkpoints; this run starts "
                             "from step 0 and its saves replace theirs step by step")
-            return None
+            return []
         if mode == "auto":
             found = latest_checkpoint(self.root)
             ignored = [p.name for p in self.root.iterdir()
                        if p.is_dir() and not is_complete(p)] if self.root.is_dir() else []
             if ignored:
                 log.info(f"checkpoint.resume=auto: ignoring incomplete folder(s) {sorted(ignored)} in {self.root}")
-            return found
+            if found is None:
+                return []
+            older = [p for p in list_checkpoints(self.root) if step_of(p) < step_of(found)]  # type: ignore[operator]
+            return [found, *reversed(older)]
         try:
-            return resolve_checkpoint(mode)
+            return [resolve_checkpoint(mode)]
         except FileNotFoundError as e:
             raise ValueError(f"checkpoint.resume={mode}: {e}") from e
 
-    def track(self, *, model_folder: str | None = None, **components: Stateful) -> None:
-        """Name the objects whose ``state_dict()`` a checkpoint holds, and the model folder whose
-        config and tokenizer files are copied next to the weights (for the HF export)."""
+    def _first_verified(self, candidates: list[Path]) -> Path | None:
+        """The first candidate whose files verify (collective). ``auto`` skips a corrupt checkpoint with
+        a warning naming it and its bad file; an explicit path, or no checkpoint verifying, raises
+        :class:`CorruptCheckpoint` (the same on every rank: every rank sees every rank's findings)."""
+        skipped = []
+        for folder in candidates:
+            problems = self._verify(folder)
+            if not problems:
+                if skipped and self.is_coordinator:
+                    log.warning(f"checkpoint.resume=auto: resuming from {folder.name}, an older checkpoint, after "
+                                f"skipping {'; '.join(skipped)}")
+                return folder
+            shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+            if self.cfg.resume != "auto":
+                raise CorruptCheckpoint(f"checkpoint {folder} is corrupt: {shown}. Resume from another checkpoint "
+                                        "(--checkpoint.resume), or restore the file")
+            if self.is_coordinator:
+                log.warning(f"checkpoint.resume=auto: skipping the corrupt checkpoint {folder}: {shown}")
+            skipped.append(f"{folder.name} ({problems[0]})")
+        if skipped:
+            raise CorruptCheckpoint(f"checkpoint.resume=auto: no checkpoint in {self.root} verifies: "
+                                    f"{'; '.join(skipped)}. Restore the files, or start over at step 0 with "
+                                    "--checkpoint.resume never")
+        return None
+
+    def _verify(self, folder: Path) -> list[str]:
+        """Problems of ``folder`` found by all ranks together (collective): each checksums its share of
+        the manifest's files; the coordinator also parses what a resume reads. [] when it verifies.
+        A checkpoint saved before manifests existed gets the parse checks only (a warning says so)."""
+        try:
+            hashed = manifest_problems(folder, part=self.group_rank, parts=self.group_size)
+            parsed = structure_problems(folder) if self.is_coordinator else []
+            if self.is_coordinator and not (folder / MANIFEST).is_file() and str(folder) not in _UNVERIFIED:
+                _UNVERIFIED.add(str(folder))
+                log.warning(f"{folder} has no {MANIFEST} (saved before checkpoints carried checksums): its files "
+                            "are not verified against what the save wrote")
+        except Exception as e:  # noqa: BLE001 - a rank that fails here must still join the gather
+            hashed, parsed = [f"verification failed on rank {self.rank}: {type(e).__name__}: {e}"], []
+        found = all_gather_objects((hashed, parsed), self.group)
+        return [p for h, _ in found for p in h] or [p for _, s in found for p in s]
+
+    def track(self, *, model_folder: str | None = None,
+              export: Callable[[], dict[str, torch.Tensor]] | None = None, **components: Stateful) -> None:
+        """Name the objects whose ``state_dict()`` a checkpoint holds, the model folder whose config and
+        tokenizer files are copied next to the weights, and ``export``: full HF-named weights saved
+        under :data:`EXPORT` for ``spmd_rl.export`` and never loaded (the actor's ``export_weights``)."""
         self.components.update(components)
         if model_folder is not None:
             self.model_folder = model_folder
+        if export is not None:
+            self.export = export
 
     # ------------------------------------------------------------------ resume
     def resume(self) -> int:
@@ -148,16 +243,22 @@ class Checkpointer:
         missing = sorted(set(self.components) - set(meta.get("components", [])))
         if missing:
             raise ValueError(f"checkpoint {self.source} has no state for {missing}; it holds {meta.get('components')}")
-        states = {name: getattr(comp, "state_dict_to_load", comp.state_dict)()  # see Stateful
-                  for name, comp in self.components.items()}
-        dcp.load(states, storage_reader=dcp.FileSystemReader(str(self.source)), planner=SafeLoadPlanner(),
-                 process_group=self.group)
+        states = {name: comp.state_dict() for name, comp in self.components.items()}
+        try:
+            dcp.load(states, storage_reader=dcp.FileSystemReader(str(self.source)), planner=SafeLoadPlanner(),
+                     process_group=self.group)
+        except (Exception, CheckpointException) as e:  # DCP's error is a BaseException, raised on every rank
+            raise RuntimeError(f"loading checkpoint {self.source} failed: {_describe(e)}") from e
         for name, comp in self.components.items():
             comp.load_state_dict(states[name])
         rng_file = self.source / "rng" / f"rank_{self.rank}.json"
         if rng_file.is_file():
-            with open(rng_file) as f:
-                set_rng_state(json.load(f), self.device)
+            try:
+                state = json.loads(rng_file.read_text())
+            except ValueError as e:
+                raise CorruptCheckpoint(f"checkpoint {self.source} is corrupt: rng/{rng_file.name} is not JSON "
+                                        f"({e})") from e
+            set_rng_state(state, self.device)
         else:
             log.warning(f"{self.source} has no RNG state for rank {self.rank} (saved by "
                         f"{len(meta.get('rank_table', []))} ranks); this rank keeps its seeded RNG state")
@@ -185,32 +286,104 @@ class Checkpointer:
             return None
         return self.save(step)
 
-    def save(self, step: int) -> Path:
-        """Write ``step_<step>`` atomically (collective over the group)."""
+    def save(self, step: int) -> Path | None:
+        """Write ``step_<step>`` atomically (collective over the group). When the disk is full (or the
+        quota spent) the partial folder is removed and the previous checkpoint kept; a periodic save
+        then returns None after a warning and training goes on, the run's last save raises."""
         start = time.perf_counter()
         name = f"{STEP_PREFIX}{step}"
         tmp = self.root / f"{TMP_PREFIX}{name}"
-        with fail_together(group=self.group, what=f"checkpoint save setup ({tmp})"):
-            if self.is_coordinator:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                (tmp / "rng").mkdir(parents=True)
         states = {n: comp.state_dict() for n, comp in self.components.items()}
-        dcp.save(states, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.group)
-        with fail_together(group=self.group, what=f"checkpoint save ({tmp})"):
-            write_file(tmp / "rng" / f"rank_{self.rank}.json", json.dumps(rng_state(self.device)))
-            if self.is_coordinator:
-                self._write_rank0_files(tmp, step)
-        # Every rank finished writing (fail_together is a barrier): publish.
-        with fail_together(group=self.group, what=f"checkpoint publish ({name})"):
-            if self.is_coordinator:
-                self._publish(tmp, name)
+        if self.export is not None:
+            states[EXPORT] = self.export()  # collective (a gather of every weight); {} when not needed
+        try:  # every stage fails on every rank together, so all ranks reach the except clause together
+            with fail_together(group=self.group, what=f"checkpoint save setup ({tmp})"):
+                if self.is_coordinator:
+                    if tmp.exists():
+                        shutil.rmtree(tmp)
+                    (tmp / "rng").mkdir(parents=True)
+            dcp.save(states, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.group)
+            mine: dict[str, dict[str, Any]] = {}
+            with fail_together(group=self.group, what=f"checkpoint save ({tmp})"):
+                write_file(tmp / "rng" / f"rank_{self.rank}.json", json.dumps(rng_state(self.device)))
+                if self.is_coordinator:
+                    self._write_rank0_files(tmp, step)
+                else:  # checksums of the files this rank wrote (the coordinator does the rest at publish)
+                    own = [f"rng/rank_{self.rank}.json", *sorted(p.name for p in tmp.glob(f"__{self.group_rank}_*"))]
+                    mine = describe_files(tmp, own)
+            reported = all_gather_objects(mine, self.group)
+            # Every rank finished writing (fail_together is a barrier): publish.
+            with fail_together(group=self.group, what=f"checkpoint publish ({name})"):
+                if self.is_coordinator:
+                    self._publish(tmp, name, {k: v for part in reported for k, v in part.items()})
+        except (Exception, CheckpointException) as e:  # DCP's error is a BaseException
+            return self._save_failed(step, tmp, e)
         self._last_saved = step
         if self.is_coordinator:
             final = self.root / name
-            log.info(f"saved checkpoint {final} ({folder_bytes(final) / 2**20:.1f} MiB) in "
+            self.expected_bytes = folder_bytes(final)
+            log.info(f"saved checkpoint {final} ({self.expected_bytes / 2**20:.1f} MiB) in "
                      f"{time.perf_counter() - start:.2f} s")
         return self.root / name
+
+    def _save_failed(self, step: int, tmp: Path, error: BaseException) -> None:
+        """After a save failed on every rank: out of space on any rank -> remove the partial folder
+        and warn (periodic save) or raise (the run's last save); anything else is raised as it is."""
+        kept = latest_checkpoint(self.root) if self.is_coordinator else None
+        report = (_out_of_space(error), self.expected_bytes, _free_bytes(self.root) if self.is_coordinator else None,
+                  None if kept is None else str(kept))
+        try:
+            reports = all_gather_objects(report, self.group)
+        except Exception:  # noqa: BLE001 - the group is broken: the save's own error says more
+            raise error from None
+        if not any(report[0] for report in reports):
+            raise error
+        _, needed, free, kept_path = reports[0]
+        with fail_together(group=self.group, what=f"removing the partial {tmp}"):  # all go on once it is gone
+            if self.is_coordinator:
+                shutil.rmtree(tmp, ignore_errors=True)
+        kept = f"kept {kept_path}" if kept_path else "there is no earlier checkpoint in it"
+        message = (f"checkpoint step_{step}: no space left in {self.root} (a checkpoint needs about "
+                   f"{_bytes(needed)}, {_bytes(free)} free); removed the partial {tmp.name}, {kept}")
+        if step >= self.total_steps:
+            raise OSError(errno.ENOSPC, f"{message}. Free space (or set --trainer.output-dir elsewhere) and run "
+                          "the same command again: it resumes from the kept checkpoint") from error
+        if self.is_coordinator:
+            log.warning(f"!!! {message}. Training goes on without this checkpoint; the next save tries again. "
+                        "Free space now, or a crash loses the steps since the kept checkpoint")
+        return None
+
+    def check_writable(self, expected_bytes: int) -> None:
+        """Before the first step (collective): refuse when the checkpoint folder cannot be written, or
+        has less free space than one checkpoint needs (``expected_bytes``, e.g.
+        :func:`checkpoint_bytes`; the resumed checkpoint's size when larger). Nothing is checked
+        when the run saves no checkpoint."""
+        if self.is_coordinator:
+            self.expected_bytes = max(expected_bytes, self.expected_bytes or 0)
+        if not (self.cfg.every or self.cfg.save_final):
+            return
+        with fail_together(group=self.group, what=f"checking the checkpoint folder {self.root}"):
+            if self.is_coordinator:
+                probe = self.root / f".probe-{os.getpid()}"
+                try:
+                    self.root.mkdir(parents=True, exist_ok=True)
+                    write_file(probe, "can this run write checkpoints here?\n")
+                    probe.unlink()
+                except OSError as e:
+                    raise OSError(f"checkpoint folder {self.root} is not writable ({type(e).__name__}: "
+                                  f"{e.strerror or e}); this run would lose its steps at the first save: fix the "
+                                  "folder or set --trainer.output-dir") from e
+                free = _free_bytes(self.root)
+                if free is not None and free < self.expected_bytes:  # type: ignore[operator]
+                    raise OSError(f"checkpoint folder {self.root} has {_bytes(free)} free, but a checkpoint of this "
+                                  f"run needs about {_bytes(self.expected_bytes)}: free space, or set "
+                                  "--trainer.output-dir on a larger disk")
+
+    def close(self) -> None:
+        """Release the output folder's lock (the OS releases it too when the process ends)."""
+        if self._locked:
+            self._locked = False
+            unlock_output_dir(self.output_dir)
 
     def _write_rank0_files(self, tmp: Path, step: int) -> None:
         meta = {
@@ -222,6 +395,7 @@ class Checkpointer:
             "components": sorted(self.components),
             "model_folder": self.model_folder,
             "torch_version": torch.__version__,
+            "elapsed_s": round(time.time() - self._clock_zero, 3),
         }
         write_file(tmp / "meta.json", json.dumps(meta, indent=1, default=str) + "\n")
         if self.config is not None:
@@ -233,7 +407,12 @@ class Checkpointer:
                 if item.is_file() and item.name not in _NOT_COPIED and not item.name.endswith(_WEIGHT_SUFFIXES):
                     shutil.copy2(item, hf / item.name)
 
-    def _publish(self, tmp: Path, name: str) -> None:
+    def _publish(self, tmp: Path, name: str, files: dict[str, dict[str, Any]]) -> None:
+        """Manifest (the other ranks' checksums in ``files``, the coordinator's files added here),
+        marker, rename, ``latest``, prune."""
+        rest = sorted(rel for p in tmp.rglob("*")
+                      if p.is_file() and (rel := p.relative_to(tmp).as_posix()) not in files and rel != MARKER)
+        write_manifest(tmp, {**files, **describe_files(tmp, rest)})
         write_file(tmp / MARKER, json.dumps({"step": step_of(name)}) + "\n")
         fsync_dir(tmp)
         final = self.root / name
@@ -260,8 +439,52 @@ class Checkpointer:
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
-__all__ = [
-    "Checkpointer", "SafeEmptyLoadPlanner", "SafeLoadPlanner", "describe_differences", "is_complete",
-    "latest_checkpoint", "list_checkpoints", "load_without_process_group", "read_meta", "resolve_checkpoint",
-    "rng_state", "set_rng_state", "step_of", "truncate_metrics",
-]
+def checkpoint_bytes(num_params: int, *, hf_copy: bool = False) -> int:
+    """About how many bytes one checkpoint of a model with ``num_params`` parameters takes: fp32
+    weights and AdamW's two fp32 moments (12 bytes a parameter), ``hf_copy`` the megatron engine's
+    full copy of the weights for the export (4 more), and 16 MiB for indexes, RNG and tokenizer files."""
+    return num_params * (16 if hf_copy else 12) + 16 * 2**20
+
+
+def _out_of_space(error: BaseException) -> bool:
+    """Whether ``error`` (or what it wraps, including DCP's per-rank failures) is ENOSPC / EDQUOT."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return True
+        if isinstance(e, CheckpointException):
+            todo += [failure[0] for failure in e.failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem of ``path`` (or of its nearest existing parent)."""
+    for folder in (path, *path.parents):
+        try:
+            return shutil.disk_usage(folder).free
+        except OSError:
+            continue
+    return None
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "an unknown number of bytes"
+    if n < 2**20:
+        return f"{n} bytes"
+    return f"{n} bytes ({n / 2**30:.2f} GiB)" if n >= 2**30 else f"{n} bytes ({n / 2**20:.1f} MiB)"
+
+
+def _describe(error: BaseException) -> str:
+    """One line per failure: DCP's exception holds every failing rank's error (and a traceback)."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(f[0]).__name__}: {f[0]}" for rank, f in sorted(error.failures.items()))
+    return f"{type(error).__name__}: {error}"
+
+
+__all__ = ["Checkpointer", "Stateful", "checkpoint_bytes"]

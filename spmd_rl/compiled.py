@@ -12,11 +12,17 @@ Out-of-memory errors are not toolchain trouble and propagate. Functions that sha
 (closures of one ``def``) share dynamo's cache of compiled variants, and past its recompile limit
 dynamo runs them eagerly by itself (with its own warning): a process that builds many different
 model shapes gets the eager speed for the later ones.
+
+Two groups use it: the fused log-prob head (:mod:`spmd_rl.engine.head`) and the rollout's compiled
+decode layers (:mod:`spmd_rl.rollout.fast`), both on CUDA where :func:`triton_available`.
+:func:`use_compile_cache` keeps the compiled artifacts between runs in the model cache folder.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -73,4 +79,25 @@ def triton_available(device: torch.device) -> bool:
     return True
 
 
-__all__ = ["CompileGroup", "triton_available"]
+def use_compile_cache(folder: str | os.PathLike) -> dict[str, str]:
+    """Keep ``torch.compile``'s artifacts between runs under ``folder`` (the run's cache folder, e.g.
+    ``<cache_root>/compile``) rather than in ``/tmp``: ``TORCHINDUCTOR_CACHE_DIR`` holds inductor's
+    FX-graph and AOT-autograd caches (both on by default in torch 2.13) and its generated code,
+    ``TRITON_CACHE_DIR`` the compiled GPU kernels. A variable the user set is left alone; importing
+    ``torch._dynamo`` writes torch's default (``/tmp/torchinductor_<user>``) into the first one, and
+    that value counts as unset. Call it before anything compiles (torch reads both when it compiles);
+    the environment passes them on to inductor's compile workers. Returns the variables it set. A
+    later run then loads the compiled code instead of compiling it again; CUDA-graph captures belong
+    to a process and are always redone."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    wanted = {"TORCHINDUCTOR_CACHE_DIR": (Path(folder), os.path.abspath(default_cache_dir())),
+              "TRITON_CACHE_DIR": (Path(folder) / "triton", None)}
+    out = {}
+    for name, (path, torch_default) in wanted.items():
+        if os.environ.get(name) in (None, "", torch_default):
+            os.environ[name] = out[name] = str(path)
+    return out
+
+
+__all__ = ["CompileGroup", "triton_available", "use_compile_cache"]

@@ -9,6 +9,11 @@
 Sinks: console (a tqdm bar with step, reward, tokens/s and ETA, plus one summary line per step),
 JSONL (``<output_dir>/metrics.jsonl``) and wandb (offline unless WANDB_API_KEY is set). Only rank 0
 builds real sinks; the others get :class:`NullSink`, so the training loop has no rank checks.
+
+MFU: :func:`grpo_step_flops` gives the model FLOPs of each phase of a step (from a
+:class:`spmd_rl.models.FlopsModel` and the step's real lengths), :func:`phase_mfu` turns them into
+``perf/mfu/{gen,old_logprob,ref,update}`` and ``perf/mfu`` against :func:`peak_flops` (dense bf16
+peak of known GPUs; no MFU on CPU).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spmd_rl.checkpoint_files import lock_output_dir, unlock_output_dir
 from spmd_rl.config import LoggingConfig
 
 log = logging.getLogger("spmd_rl")
@@ -102,6 +108,12 @@ class NullSink:
     def info(self, text: str) -> None:
         pass
 
+    def write_config(self, yaml_text: str, path: str | None = None, print_all: bool = False) -> None:
+        pass
+
+    def step_started(self, step: int, device: torch.device | str) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -110,12 +122,18 @@ class RunSink:
     """Console + JSONL + wandb on rank 0."""
 
     def __init__(self, *, logging_cfg: LoggingConfig, output_dir: str, total_steps: int, start_step: int,
-                 config_dict: dict[str, Any]) -> None:
+                 config_dict: dict[str, Any], start_elapsed_s: float = 0.0) -> None:
+        """``start_elapsed_s``: the wall time the run had spent when its checkpoint was saved
+        (``Checkpointer.start_elapsed_s``), so that a resumed run's ``elapsed_s`` continues from it."""
         self.cfg = logging_cfg
+        self.output_dir = output_dir
         self.total_steps = total_steps
         self.start_time = time.time()
         self.start_step = start_step
-        os.makedirs(output_dir, exist_ok=True)
+        self.start_elapsed_s = start_elapsed_s
+        # One run per folder: the trainer's Checkpointer took this lock first (in this process: a no-op
+        # here); a sink opened on its own takes it before it appends to metrics.jsonl.
+        self._locked = lock_output_dir(output_dir) is not None
         self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a") if logging_cfg.jsonl else None
         self.bar = None
         if logging_cfg.console:
@@ -144,8 +162,30 @@ class RunSink:
         else:
             log.info(text)
 
+    def write_config(self, yaml_text: str, path: str | None = None, print_all: bool = False) -> None:
+        """Write the resolved config to ``path`` (default ``<output_dir>/config.yaml``) and name the
+        file in one line; ``print_all`` (``logging.print_config``) also prints the whole of it."""
+        path = path or os.path.join(self.output_dir, "config.yaml")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(yaml_text)
+        if print_all:
+            self.info(f"resolved config ({path})\n" + yaml_text.rstrip("\n"))
+        else:
+            self.info(f"resolved config: {path} (--logging.print-config prints it here)")
+
+    def step_started(self, step: int, device: torch.device | str) -> None:
+        """Say on the bar what the first step this process runs is doing until its metrics arrive
+        (they replace the note): on CUDA it compiles kernels and captures the rollout's CUDA graphs,
+        which takes tens of seconds once; later steps do not change the bar here."""
+        if self.bar is None or step != self.start_step + 1:
+            return
+        what = "compiling and capturing graphs" if torch.device(device).type == "cuda" else "first step running"
+        self.bar.set_postfix_str(f"step {step}: {what}", refresh=True)
+
     def log(self, metrics: dict[str, float], step: int) -> None:
-        record = {"step": step, "elapsed_s": round(time.time() - self.start_time, 3),
+        elapsed_s = self.start_elapsed_s + time.time() - self.start_time
+        record = {"step": step, "elapsed_s": round(elapsed_s, 3),
                   **{k: _round(v) for k, v in sorted(metrics.items())}}
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
@@ -171,6 +211,9 @@ class RunSink:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self._locked:
+            self._locked = False
+            unlock_output_dir(self.output_dir)
 
 
 def _round(v: float) -> float:
@@ -197,9 +240,27 @@ def _summary(step: int, metrics: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
+class BarSafeHandler(logging.StreamHandler):
+    """A stream handler that writes through ``tqdm.write``: a progress bar shown on the same
+    terminal is cleared before the line and drawn again after it, instead of the line being glued
+    to the end of the bar (no bar: a plain write)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+
 def setup_logging(rank: int, hostname: str) -> None:
-    """INFO from rank 0, WARNING and above from every rank, each line tagged host:rank."""
-    handler = logging.StreamHandler(sys.stderr)
+    """INFO from rank 0, WARNING and above from every rank, each line tagged host:rank; lines are
+    written around rank 0's progress bar (:class:`BarSafeHandler`)."""
+    handler = BarSafeHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s {hostname}:{rank} %(levelname)s %(message)s", "%H:%M:%S"))
     root = logging.getLogger("spmd_rl")
     root.handlers[:] = [handler]

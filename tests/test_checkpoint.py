@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from conftest import HERE, REPO
-from spmd_rl.checkpoint import (
-    Checkpointer, latest_checkpoint, list_checkpoints, resolve_checkpoint, rng_state, set_rng_state, truncate_metrics,
+from spmd_rl.checkpoint import Checkpointer
+from spmd_rl.checkpoint_files import (
+    latest_checkpoint, list_checkpoints, resolve_checkpoint, rng_state, set_rng_state, truncate_metrics,
 )
 from spmd_rl.config import CheckpointConfig
 from spmd_rl.distributed.testing import free_port, run_distributed
@@ -32,7 +33,7 @@ from spmd_rl.export import export_hf, load_model_state, parse_size
 from spmd_rl.models import resolve_model_path
 from test_train_e2e import TINY
 
-STEPS = ["--trainer.total-steps", "4", "--checkpoint.every", "2"]
+STEPS = ["--trainer.total-steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "2"]
 UNTIMED = ("timing_s/", "perf/", "elapsed_s")
 
 
@@ -138,6 +139,8 @@ def test_resume_is_exact(reference, tmp_path):
     assert_same_weights(load_model_state(reference), load_model_state(out))
     assert metrics(out) == metrics(reference)
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
+    clock = [json.loads(line)["elapsed_s"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert clock == sorted(clock), f"elapsed_s went back at the resume: {clock}"  # continued from step_2's
     assert not (root / ".tmp-step_3").exists()  # cleaned up by the next save
     assert (root / "latest").read_text().strip() == "step_4"
 
@@ -177,7 +180,7 @@ def test_resume_on_another_layout(reference, tmp_path, layout):
 
 
 def base_folder() -> str:
-    return resolve_model_path("tiny-random", cache_dir=None, tiny=None)  # $SPMD_RL_CACHE (conftest)
+    return resolve_model_path("tiny-random", cache_dir=None)  # $SPMD_RL_CACHE (conftest)
 
 
 def _engine_vs_export_body(rank: int, world_size: int, step_dir: str, hf_dir: str, out_dir: str) -> dict:
@@ -237,37 +240,75 @@ def test_export_loads_in_transformers(reference, tmp_path):
     assert result["tokens"] > 20 and result["max"] <= 1e-4, result
 
 
-class _WithExportCopy:
-    """A component that saves more than a resume needs (like the megatron engine's HF copy)."""
-
-    def __init__(self, *, extra: bool) -> None:
-        self.x, self.extra = torch.zeros(3), extra
+class _Component:
+    def __init__(self) -> None:
+        self.x = torch.zeros(3)
 
     def state_dict(self) -> dict:
-        return {"x": self.x, **({"copy": torch.ones(2)} if self.extra else {})}
-
-    def state_dict_to_load(self) -> dict:
         return {"x": self.x}
 
     def load_state_dict(self, state: dict) -> None:
         self.x.copy_(state["x"])
 
 
-def _partial_state_body(rank: int, world_size: int, out_dir: str) -> tuple[int, list[float]]:
+def _export_copy_body(rank: int, world_size: int, out_dir: str) -> tuple[int, list[float], list[str], int]:
+    from spmd_rl.checkpoint import EXPORT
+    from spmd_rl.checkpoint_files import load_without_process_group
+
     table = [{"rank": 0, "host": "h", "device": "cpu"}]
-    old = _WithExportCopy(extra=False)  # as saved by a version without the copy
+    calls = []
+
+    def export() -> dict:  # like the megatron engine's export_weights: HF names, written only
+        calls.append(1)
+        return {"model.embed_tokens.weight": torch.full((2, 2), 5.0)}
+
+    old = _Component()
     old.x += 7.0
     saver = Checkpointer(checkpoint=CheckpointConfig(), output_dir=out_dir, total_steps=2, rank_table=table)
-    saver.track(actor=old)
-    saver.save(2)
-    new = _WithExportCopy(extra=True)
+    saver.track(actor=old, export=export)
+    folder = saver.save(2)
+    saved = load_without_process_group(folder, [EXPORT])[EXPORT]
+    new = _Component()
     loader = Checkpointer(checkpoint=CheckpointConfig(), output_dir=out_dir, total_steps=2, rank_table=table)
+    loader.track(actor=new, export=export)
+    return loader.resume(), new.x.tolist(), sorted(saved), len(calls)
+
+
+def _renamed_copy_body(rank: int, world_size: int, tmp: str) -> tuple[int, list[float], int]:
+    table = [{"rank": 0, "host": "h", "device": "cpu"}]
+    old = _Component()
+    old.x += 3.0
+    saver = Checkpointer(checkpoint=CheckpointConfig(), output_dir=f"{tmp}/run", total_steps=5, rank_table=table)
+    saver.track(actor=old)
+    shutil.copytree(saver.save(3), f"{tmp}/mycopy")
+    new = _Component()
+    loader = Checkpointer(checkpoint=CheckpointConfig(resume=f"{tmp}/mycopy"), output_dir=f"{tmp}/run2",
+                          total_steps=5, rank_table=table)
     loader.track(actor=new)
-    return loader.resume(), new.x.tolist()
+    return loader.resume(), new.x.tolist(), loader.start_step
 
 
-def test_resume_fills_only_state_dict_to_load(tmp_path):
-    """A resume asks for ``state_dict_to_load()`` when a component has it: a checkpoint saved
-    without the export-only part still loads, and the part a resume needs is restored."""
-    (res,) = run_distributed(_partial_state_body, 1, str(tmp_path / "run"))
-    assert res == (2, [7.0, 7.0, 7.0])
+def test_resume_from_a_renamed_copy_of_a_checkpoint(tmp_path):
+    """`--checkpoint.resume /path/to/mycopy`: a complete checkpoint under another name than step_N
+    resumes at the step in its meta.json; a partial copy or a foreign folder says why not."""
+    (res,) = run_distributed(_renamed_copy_body, 1, str(tmp_path))
+    assert res == (3, [3.0, 3.0, 3.0], 3)
+    assert resolve_checkpoint(tmp_path / "mycopy") == (tmp_path / "mycopy").resolve()
+    partial = tmp_path / "partial"
+    shutil.copytree(tmp_path / "mycopy", partial)
+    (partial / "COMPLETE").unlink()
+    with pytest.raises(FileNotFoundError, match=r"partial holds a checkpoint's meta\.json but no COMPLETE marker"):
+        resolve_checkpoint(partial)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "meta.json").write_text('{"name": "x"}')
+    (foreign / "COMPLETE").write_text("")
+    with pytest.raises(FileNotFoundError, match=r"foreign/meta\.json does not name the checkpoint's step \(KeyError"):
+        resolve_checkpoint(foreign)
+
+
+def test_export_copy_is_written_and_never_loaded(tmp_path):
+    """``track(export=...)``: the HF copy is saved under ``hf`` for ``spmd_rl.export``; a resume
+    restores the components without asking for (or reading) it."""
+    (res,) = run_distributed(_export_copy_body, 1, str(tmp_path / "run"))
+    assert res == (2, [7.0, 7.0, 7.0], ["model.embed_tokens.weight"], 1)

@@ -11,11 +11,9 @@ import pytest
 
 from spmd_rl.config import Config, from_yaml, load_config, to_yaml
 
-# (flags, the message the rule must give) — one row per rule in spmd_rl/config/sections.py and engines.py.
+# (flags, the message the rule must give) — one row per rule in spmd_rl/config/sections.py and engines.py;
+# the rules between sections and those that need the world size are plan()'s (tests/test_plan.py).
 RULES = [
-    (["--model.tiny-layers", "0"], "model.tiny_layers must be >= 1, got 0"),
-    (["--model.tiny-hidden", "30", "--model.tiny-heads", "4"], "model.tiny_hidden (30) must be divisible by model.tiny_heads (4)"),
-    (["--model.tiny-heads", "4", "--model.tiny-kv-heads", "3"], "model.tiny_heads (4) must be divisible by model.tiny_kv_heads (3)"),
     (["--data.train-batch-size", "0"], "data.train_batch_size must be >= 1, got 0"),
     (["--data.val-size", "-1"], "data.val_size must be >= 0, got -1"),
     (["--data.max-prompt-length", "0"], "data.max_prompt_length must be >= 1, got 0"),
@@ -32,8 +30,6 @@ RULES = [
     (["--rollout.batch-size", "0"], "rollout.batch_size must be >= 1, got 0"),
     (["--rollout.tp", "0"], "rollout.tp (0) and rollout.pp (1) must be >= 1"),
     (["--rollout.gpu-memory-utilization", "1.5"], "rollout.gpu_memory_utilization must be in (0, 1], got 1.5"),
-    (["--rollout.backend", "vllm", "--rollout.top-k", "5"],
-     "use --rollout.top-k 0 --rollout.top-p 1.0 with vllm (got top_k=5, top_p=1.0)"),
     (["--algo.rollout-is", "token_truncated", "--algo.rollout-is-cap", "0.5"], "algo.rollout_is_cap must be >= 1, got 0.5"),
     (["--actor.fsdp.fsdp-size", "0"], "actor.fsdp.fsdp_size must be -1 or >= 1, got 0"),
     (["--actor.fsdp.ulysses-size", "0"], "actor.fsdp.ulysses_size must be >= 1, got 0"),
@@ -54,32 +50,19 @@ RULES = [
     (["--actor.ppo-epochs", "0"], "actor.ppo_epochs must be >= 1, got 0"),
     (["--actor.max-tokens-per-gpu", "0"], "actor.max_tokens_per_gpu must be >= 1 (or unset), got 0"),
     (["--algo.clip-low", "-0.1"], "algo.clip_low (-0.1) and algo.clip_high (0.2) must be >= 0"),
+    (["--algo.clip-low", "1.5"], "algo.clip_low must be < 1 (the ratio is clipped below at 1 - clip_low, which must "
+                                 "stay > 0), got 1.5"),
     (["--algo.clip-c", "1"], "algo.clip_c must be > 1, got 1.0"),
+    (["--reward.timeout-s", "-1"], "reward.timeout_s must be >= 0 (0 = no limit), got -1.0"),
     (["--algo.kl-coef", "-1"], "algo.kl_coef must be >= 0, got -1.0"),
     (["--pools.reward-ranks", "-1"], "pools.reward_ranks must be >= 0, got -1"),
     (["--trainer.total-steps", "0"], "trainer.total_steps must be >= 1, got 0"),
     (["--trainer.val-every", "-1"], "trainer.val_every must be >= 0, got -1"),
     (["--trainer.dist-timeout-s", "0"], "trainer.dist_timeout_s must be >= 1, got 0"),
+    (["--trainer.stall-timeout-s", "-1"], "trainer.stall_timeout_s must be >= 0 (0 = off), got -1"),
+    (["--trainer.dist-timeout-s", "60"], "trainer.stall_timeout_s (600) must be below trainer.dist_timeout_s (60)"),
     (["--checkpoint.every", "-1"], "checkpoint.every must be >= 0, got -1"),
     (["--checkpoint.keep", "0"], "checkpoint.keep must be >= 1, got 0"),
-    (["--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "16"],
-     "actor.ppo_mini_batch_size (16) must be <= data.train_batch_size (8)"),
-    (["--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "3"],
-     "actor.ppo_mini_batch_size (3) must divide data.train_batch_size (8)"),
-    (["--actor.max-tokens-per-gpu", "300", "--actor.fsdp.ulysses-size", "2", "--data.max-prompt-length", "512",
-      "--rollout.max-new-tokens", "256"],
-     "actor.max_tokens_per_gpu (300) * actor.fsdp.ulysses_size (2) must be >= data.max_prompt_length (512) + "
-     "rollout.max_new_tokens (256) = 768, the longest sequence"),
-    (["--actor.engine", "megatron", "--pools.reward-ranks", "1"],
-     "actor.engine=megatron builds megatron-core's groups over the whole world, so it cannot run with a separate "
-     "reward pool (pools.reward_ranks=1)"),
-    (["--actor.engine", "megatron", "--actor.use-packing"],
-     "actor.use_packing apply to actor.engine=fsdp only; unset them for actor.engine=megatron"),
-    (["--actor.engine", "megatron", "--actor.max-tokens-per-gpu", "4096", "--actor.fsdp.ulysses-size", "2"],
-     "actor.max_tokens_per_gpu, actor.fsdp.ulysses_size apply to actor.engine=fsdp only"),
-    (["--actor.engine", "megatron", "--actor.megatron.cp", "2"],
-     "actor.megatron.cp (2) > 1 needs TransformerEngine: megatron-core implements context parallelism only in "
-     "TransformerEngine's attention"),
 ]
 
 
@@ -117,6 +100,54 @@ def test_unknown_yaml_key_lists_valid_keys(tmp_path):
     path.write_text("rolout: {}\n")
     with pytest.raises(ValueError, match=r"unknown config key rolout; valid keys: model, data, rollout"):
         load_config(["--config", str(path)])
+
+
+# (YAML text, what load_config must give: the value read, or the error message)
+YAML_TYPES = [
+    ("actor:\n  lr: 1e-5\n", ("actor.lr", 1e-5)),  # PyYAML reads `1e-5` (no dot) as a string
+    ("actor:\n  lr: 1\n", ("actor.lr", 1.0)),  # an int for a float
+    ("data:\n  train_batch_size: 8.0\n", ("data.train_batch_size", 8)),  # an integral float for an int
+    ("trainer:\n  profile_steps: [2, 4.0]\n", ("trainer.profile_steps", [2, 4])),
+    ("actor:\n  fsdp:\n    keep_logits_gib: 2\n", ("actor.fsdp.keep_logits_gib", 2.0)),
+    ("actor:\n  fsdp:\n    keep_logits_gib:\n", ("actor.fsdp.keep_logits_gib", None)),
+    ("actor:\n  betas: [0.8, 1]\n", ("actor.betas", (0.8, 1.0))),
+    ("algo:\n  use_kl_loss: \"false\"\n",
+     "p.yaml: algo.use_kl_loss: expected true or false, got the string 'false': write false without quotes"),
+    ("algo:\n  use_kl_loss: 0\n", "p.yaml: algo.use_kl_loss: expected true or false, got the integer 0"),
+    ("trainer:\n  total_steps: 2.7\n", "p.yaml: trainer.total_steps: expected an integer, got the number 2.7"),
+    ("actor:\n  lr: fast\n", "p.yaml: actor.lr: expected a number, got the string 'fast'"),
+    ("actor:\n  lr: true\n", "p.yaml: actor.lr: expected a number, got the boolean true"),
+    ("rollout:\n  n:\n", "p.yaml: rollout.n: expected an integer, got null (an empty value)"),
+    ("logging:\n  run_name: 2024\n", "p.yaml: logging.run_name: expected a string, got the integer 2024 (put it in quotes)"),
+    ("logging:\n  wandb: off\n", "p.yaml: logging.wandb: expected one of 'auto', 'on', 'off', got the boolean false "
+                                   "(YAML reads unquoted true/false/yes/no/on/off as booleans: put the word in quotes)"),
+    ("reward:\n  model:\n    input: words\n",  # a Literal in a nested section
+     "p.yaml: reward.model.input: expected one of 'auto', 'ids', 'text', got the string 'words'"),
+    ("rollout:\n  sleep_level: 2.0\n", ("rollout.sleep_level", 2)),
+    ("rollout:\n  sleep_level: 1.5\n", "p.yaml: rollout.sleep_level: expected one of 0, 1, 2, got the number 1.5"),
+    ("actor:\n  betas: [0.9]\n", "p.yaml: actor.betas: expected a list of 2 values, got 1: [0.9]"),
+    ("actor:\n  betas: [0.9, high]\n", "p.yaml: actor.betas[1]: expected a number, got the string 'high'"),
+    ("actor:\n  betas: 0.9\n", "p.yaml: actor.betas: expected a list, got the number 0.9"),
+    ("trainer:\n  profile_steps: [1, 2.5]\n", "p.yaml: trainer.profile_steps[1]: expected an integer, got the number 2.5"),
+    ("actor: 5\n", "p.yaml: actor: expected a mapping of keys to values, got the integer 5"),
+]
+
+
+@pytest.mark.parametrize("text,expected", YAML_TYPES, ids=[r[0].replace("\n", " ")[:40] for r in YAML_TYPES])
+def test_yaml_values_are_checked_against_their_types(tmp_path, monkeypatch, text, expected):
+    """Each YAML value must fit its field's type; it is converted only where nothing is lost, and the
+    error names the file and the key (a wrong type used to fail late, or run with a wrong value)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text(text)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            load_config(["--config", "p.yaml"])
+        return
+    key, value = expected
+    got = load_config(["--config", "p.yaml"])
+    for part in key.split("."):
+        got = getattr(got, part)
+    assert got == value and type(got) is type(value)
 
 
 def test_missing_yaml_file():

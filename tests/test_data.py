@@ -19,10 +19,10 @@ from spmd_rl.data import PromptSampler, Sample, build_prompts, columns_of, read_
 from spmd_rl.data.tasks import generate_arithmetic, generate_countdown
 from spmd_rl.reward.countdown import countdown_score, solve_countdown
 
-from conftest import REPO
+from conftest import HERE
 
-# The steering repo's shared/ lies beside the checkout (here and in CI).
-GSM8K = os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k")
+# A sample of GSM8K in its own format (tests/data/gsm8k/README.md says which rows).
+GSM8K = os.path.join(HERE, "data", "gsm8k")
 
 
 def _jsonl(path: Path, rows: list[object]) -> str:
@@ -121,6 +121,25 @@ def test_read_records_errors(tmp_path: Path) -> None:
         read_records(str(tmp_path / "x.csv"))
 
 
+def test_non_utf8_file_names_the_line(tmp_path: Path) -> None:
+    """A Latin-1 (or UTF-16) file is an error naming the file, line and column, not a bare
+    UnicodeDecodeError with a byte offset; a UTF-8 byte-order mark is harmless."""
+    import re
+
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"prompt": "a", "answer": 1}\n{"prompt": "caf\u00e9", "answer": 2}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape(f"{latin}:2: not UTF-8 text: byte b'\\xe9' at column 16 "
+                                                   "(invalid continuation byte); save the file as UTF-8")):
+        read_records(str(latin))
+    wide = tmp_path / "wide.jsonl"
+    wide.write_bytes('{"prompt": "a", "answer": 1}\n'.encode("utf-16"))
+    with pytest.raises(ValueError, match=r"wide\.jsonl:1: not UTF-8 text \(it starts with a UTF-16 byte-order mark\)"):
+        read_records(str(wide))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes('{"prompt": "caf\u00e9", "answer": 1}\n'.encode("utf-8-sig"))
+    assert read_records(str(bom)) == [{"prompt": "caf\u00e9", "answer": 1}]
+
+
 def test_json_lines_and_array(tmp_path: Path) -> None:
     (tmp_path / "l.json").write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
     (tmp_path / "arr.json").write_text('[{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]')
@@ -152,7 +171,7 @@ def test_parquet_without_pyarrow_says_how_to_install(tmp_path: Path, monkeypatch
 def test_gsm8k_real_file_and_errors(tmp_path: Path) -> None:
     cfg = DataConfig(task="gsm8k", path=f"{GSM8K}/test.jsonl", val_size=19, instruction="Answer with a number.")
     train, val = build_prompts(cfg)
-    assert len(train) == 1300 and len(val) == 19
+    assert len(train) == 23 and len(val) == 19  # the sample's 42 rows
     assert train[0].answer == "18" and train[0].prompt.startswith("Janet") and train[0].prompt.endswith("Answer with a number.")
     assert all(s.answer.lstrip("-").replace(".", "").isdigit() for s in train + val)
     # a reference with thousands separators loses its commas

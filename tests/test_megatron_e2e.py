@@ -22,13 +22,12 @@ from spmd_rl.distributed.testing import free_port
 pytest.importorskip("megatron.core")
 
 FLAGS = [
-    "--model.path", "tiny-random", "--model.tiny-layers", "2", "--model.tiny-hidden", "64",
-    "--data.task", "arithmetic", "--data.train-batch-size", "4", "--data.val-size", "8",
+    "--model.path", "tiny-random", "--data.task", "arithmetic", "--data.train-batch-size", "4", "--data.val-size", "8",
     "--rollout.n", "4", "--rollout.max-new-tokens", "8", "--actor.lr", "3e-3",
     "--actor.ppo-mini-batch-size", "4", "--actor.micro-batch-size", "2",
     "--reward.fn", "support.rewards:digit_fraction", "--algo.kl-coef", "0.01",
     "--logging.wandb", "off", "--logging.no-console", "--trainer.val-every", "2",
-    "--actor.engine", "megatron", "--actor.megatron.pp", "2", "--checkpoint.every", "2",
+    "--actor.engine", "megatron", "--actor.megatron.pp", "2", "--checkpoint.every", "2", "--checkpoint.keep", "2",
 ]
 
 
@@ -68,7 +67,7 @@ def test_megatron_train_checkpoint_and_exact_resume(tmp_path):
     assert sorted(resumed) == [3]
     assert resumed[3] == got[3], {k: (resumed[3][k], got[3].get(k)) for k in resumed[3] if resumed[3][k] != got[3].get(k)}
 
-    # HF export of a megatron checkpoint (its actor.hf copy; one process, no megatron layout): the
+    # HF export of a megatron checkpoint (its hf copy; one process, no megatron layout): the
     # trained weights under HF names, loadable by transformers, equal between the two jobs' step 3
     from transformers import AutoModelForCausalLM
 
@@ -76,7 +75,7 @@ def test_megatron_train_checkpoint_and_exact_resume(tmp_path):
     from spmd_rl.models import resolve_model_path
 
     initial = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path("tiny-random", cache_dir=None, tiny={"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 0}))
+        resolve_model_path("tiny-random", cache_dir=None))
     exported = [load_model_state(os.path.join(run, "checkpoints", "step_3")) for run in (first, second)]
     names = {n for n, _ in initial.named_parameters()}  # tied: no lm_head.weight
     assert set(exported[0]) == names, set(exported[0]) ^ names

@@ -306,3 +306,58 @@ def test_scorer_input_checks() -> None:
         s(["a"], ["1", "2"], {"answer": ["1", "2"]})
     with pytest.raises(ValueError, match="reward.on_error must be `raise` or `skip`"):
         build_scorer(fn="math", task="gsm8k", format_weight=0.0, on_error="ignore")
+
+
+# --------------------------------------------------------------------------- reward.timeout_s
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_scorer_that_never_returns_stops_with_the_sample(on_error: str) -> None:
+    """A hung user scorer is a RewardError naming the function, the sample it hangs on and its
+    prompt, after about two timeouts (the batch call, then that sample alone), even with `skip`."""
+    import time
+
+    s = build_scorer(fn="support.rewards:hangs_on_seven", task="file", format_weight=0.0, on_error=on_error,
+                     timeout_s=0.3)
+    assert s(["1+1", "2+2"], ["2", "4"], {"answer": ["2", "4"]}).scores == [1.0, 1.0]  # no hang: scored
+    start = time.perf_counter()
+    with pytest.raises(RewardError) as info:
+        s(["1+1", "3+7", "2+2"], ["2", "10", "4"], {"answer": ["2", "10", "4"]})
+    assert time.perf_counter() - start < 5
+    msg = str(info.value)
+    assert "reward.fn=support.rewards:hangs_on_seven failed on sample 1: did not return within reward.timeout_s=0.3 s" in msg
+    assert "prompt: '3+7'" in msg and "raise --reward.timeout-s" in msg
+    assert "stops the run even with reward.on_error=skip" in msg
+    with pytest.raises(RewardError, match=r"failed on sample 0: did not return within reward\.timeout_s=0\.3 s"):
+        s(["7"], ["7"], {"answer": ["7"]})  # a batch of one is not scored twice
+
+
+def test_timeout_zero_and_builtin_scorers_run_in_the_calling_thread(user_module: str) -> None:
+    """`reward.timeout_s=0` calls the function directly; the built-ins are never put in a thread
+    (math-verify's own timeouts need the main thread); a user function's errors keep their policy."""
+    import threading
+
+    seen: list[str] = []
+    s = build_scorer(fn="math", task="gsm8k", format_weight=0.0, on_error="raise", timeout_s=5)
+    s.fn = lambda p, c, **k: seen.append(threading.current_thread().name) or [1.0] * len(c)
+    s(["p"], ["1"], {"answer": ["1"]})
+    user = build_scorer(fn=f"{user_module}:raises_on_bad", task="file", format_weight=0.0, on_error="skip", timeout_s=5)
+    assert user.timeout_s == 5 and s.timeout_s == 0
+    assert user(["p", "q"], ["bad", "ok"], {"answer": ["1", "1"]}).num_errors == 1
+    s0 = build_scorer(fn=f"{user_module}:raises_on_bad", task="file", format_weight=0.0, on_error="raise", timeout_s=0)
+    s0.fn = lambda p, c, **k: seen.append(threading.current_thread().name) or [1.0] * len(c)
+    s0(["p"], ["1"], {"answer": ["1"]})
+    assert seen == [threading.current_thread().name] * 2
+
+
+def test_run_reward_takes_the_timeout_from_the_config() -> None:
+    from spmd_rl.config import RewardConfig
+    from spmd_rl.data.tasks import Sample
+    from spmd_rl.reward.run import build_run_reward
+
+    assert RewardConfig().timeout_s == 60
+    reward = build_run_reward(reward=RewardConfig(fn="support.rewards:hangs_on_seven", timeout_s=0.2), task="file",
+                              system_prompt=None, actor_tokenizer=None, group=None, mesh=None, exchange=None,
+                              device=None, cache_dir=None)  # type: ignore[arg-type]
+    with pytest.raises(RewardError, match=r"hangs_on_seven failed on sample 0: did not return within reward\.timeout_s=0\.2 s"):
+        reward([Sample(prompt="7*7", answer="49")], ["49"], [[1]], [[2]])

@@ -28,11 +28,6 @@ class FsdpConfig:
     parameters once per pass over the micro-batches instead of per micro-batch and layer, forward and
     backward: such a gather is a copy that frees nothing. Costs one bf16 copy of the model during the
     pass; no effect where shards span several ranks."""
-    fuse_projections: tuple[str, ...] = ()
-    """Llama / Qwen2 / Mistral layers: projection groups that run as one GEMM over their concatenated
-    weights, from "gate_up" (the MLP) and "qkv" (the attention); parameters, names and checkpoints
-    are unchanged (engine/attention.py). Opt-in: with torch 2.11 on the H200 both made the compiled
-    1.5B update slower (the joins of their gradients cost more than the GEMMs saved; docs/PERF.md)."""
     keep_logits_gib: float | None = None
     """Keep the log-prob head's raw logits from the forward for the backward when a micro-batch's take
     at most this many GiB, instead of recomputing their GEMM chunk by chunk (~2 % of a 1.5B update's
@@ -47,8 +42,6 @@ class FsdpConfig:
     def __post_init__(self) -> None:
         _check(self.fsdp_size == -1 or self.fsdp_size >= 1, f"actor.fsdp.fsdp_size must be -1 or >= 1, got {self.fsdp_size}")
         _check(self.ulysses_size >= 1, f"actor.fsdp.ulysses_size must be >= 1, got {self.ulysses_size}")
-        unknown = sorted(set(self.fuse_projections) - {"gate_up", "qkv"})
-        _check(not unknown, f"actor.fsdp.fuse_projections: unknown {unknown}; choose from gate_up, qkv")
         _check(self.keep_logits_gib is None or self.keep_logits_gib >= 0,
                f"actor.fsdp.keep_logits_gib must be >= 0 (or None for automatic), got {self.keep_logits_gib}")
 
@@ -66,7 +59,7 @@ class MegatronConfig:
     ep: int = 1
     """Expert-parallel degree (MoE models)."""
     etp: int | None = None
-    """Expert tensor-parallel degree (default: equal to tp)."""
+    """Expert tensor-parallel degree; None = equal to tp."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order of the parallel axes, fastest-varying first, as megatron-core takes it."""
     sequence_parallel: bool = False

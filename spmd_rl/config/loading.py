@@ -1,15 +1,20 @@
 """Reading a config: dataclass defaults < ``--config`` YAML preset < tyro flags; YAML and dict
-round trips. Unknown YAML keys raise with the valid ones; every check runs once, after tyro has
-built the objects, so a bad value surfaces as a plain ``ValueError`` naming the flag."""
+round trips. Unknown YAML keys raise with the valid ones; every YAML value is checked against its
+field's type (``preset.yaml: actor.lr: expected a number, got the string 'abc'``), converted only
+where nothing is lost (``1e-5``, which PyYAML reads as a string, for a float; ``8.0`` for an int;
+never a string for a bool); every check runs once, after tyro has built the objects, so a bad value
+surfaces as a plain ``ValueError`` naming the flag."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
+import types
 import typing
 from dataclasses import field
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -20,10 +25,106 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 
 
+# A number as YAML 1.2 writes it. PyYAML follows YAML 1.1, where a float needs a dot: it reads
+# `1e-5` as the string '1e-5', which a float (or int) field takes as the number it spells.
+_NUMBER = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+_BOOL_WORDS = "YAML reads unquoted true/false/yes/no/on/off as booleans"
+
+
+def _describe(value: Any) -> str:
+    """A YAML value as the error messages name it."""
+    if value is None:
+        return "null (an empty value)"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return f"the integer {value}"
+    if isinstance(value, float):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, list):
+        return f"the list {value!r}"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _convert(value: Any, typ: Any, key: str) -> Any:
+    """``value`` read from YAML as field type ``typ``, converted only where nothing is lost (an
+    integer or a number-like string for a float; an integral float for an int); ValueError
+    ``key: expected ..., got ...`` otherwise."""
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if dataclasses.is_dataclass(typ):
+        return _from_dict(typ, {} if value is None else value, key)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _convert(value, option, key)
+            except ValueError as e:
+                errors.append(e)
+        if len(options) == 1:
+            raise errors[0]
+        raise ValueError(f"{key}: expected one of {options}, got {_describe(value)}")
+    if origin is Literal:
+        if isinstance(value, float) and value.is_integer() and int(value) in args:
+            value = int(value)  # as for an int field
+        for choice in args:  # `True == 1` in Python: compare the types too
+            if value == choice and type(value) is type(choice):
+                return choice
+        hint = f" ({_BOOL_WORDS}: put the word in quotes)" if isinstance(value, bool) else ""
+        raise ValueError(f"{key}: expected one of {', '.join(repr(a) for a in args)}, got {_describe(value)}{hint}")
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}: expected a list, got {_describe(value)}")
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise ValueError(f"{key}: expected a list of {len(args)} values, got {len(value)}: {list(value)!r}")
+            return tuple(_convert(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        out = [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str):  # never guessed: "false" would be True to Python
+            word = {"true": "true", "yes": "true", "on": "true", "false": "false", "no": "false", "off": "false"}
+            meant = word.get(value.strip().lower(), "true or false")
+            raise ValueError(f"{key}: expected true or false, got {_describe(value)}: write {meant} without quotes")
+        raise ValueError(f"{key}: expected true or false, got {_describe(value)}")
+    if typ is int:
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):  # PyYAML's string for `1e3`
+            value = int(value) if value.strip().lstrip("+-").isdigit() else float(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError(f"{key}: expected an integer, got {_describe(value)}")
+    if typ is float:
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            return float(value)
+        if isinstance(value, float):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**53:  # exact as a float
+            return float(value)
+        raise ValueError(f"{key}: expected a number, got {_describe(value)}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        hint = _BOOL_WORDS + ": " if isinstance(value, bool) else ""
+        raise ValueError(f"{key}: expected a string, got {_describe(value)} ({hint}put it in quotes)")
+    return value
+
+
 def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys with the valid ones."""
+    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys with the valid ones and
+    values that do not fit their field's type (see :func:`_convert`)."""
     if not isinstance(data, dict):
-        raise ValueError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+        raise ValueError(f"{where or 'config'}: expected a mapping of keys to values, got {_describe(data)}")
     hints = _field_types(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, Any] = {}
@@ -33,13 +134,7 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
             raise ValueError(
                 f"unknown config key {where + '.' if where else ''}{key}; valid keys: {', '.join(names)}"
             )
-        typ = hints[norm]
-        if dataclasses.is_dataclass(typ):
-            kwargs[norm] = _from_dict(typ, value or {}, f"{where}.{norm}" if where else norm)
-        elif isinstance(value, list) and typing.get_origin(typ) is tuple:
-            kwargs[norm] = tuple(value)
-        else:
-            kwargs[norm] = value
+        kwargs[norm] = _convert(value, hints[norm], f"{where}.{norm}" if where else norm)
     return cls(**kwargs)
 
 
@@ -51,8 +146,8 @@ def from_yaml(path: str) -> Config:
         data = yaml.safe_load(f) or {}
     try:
         return _from_dict(Config, data, "")
-    except TypeError as e:
-        raise ValueError(f"--config {path}: {e}") from e
+    except (TypeError, ValueError) as e:  # every message names the file and the key
+        raise ValueError(f"{path}: {e}") from e
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

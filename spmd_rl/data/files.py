@@ -35,11 +35,30 @@ def _check_path(path: str, flag: str) -> None:
         raise ValueError(f"{flag}={path} is a folder; give a .jsonl or .parquet file")
 
 
+def _read_utf8(path: str) -> str:
+    """The file's text (JSON is UTF-8; a leading byte-order mark is dropped); ValueError naming the
+    line and column of the first byte that is not UTF-8."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith(b"\xef\xbb\xbf"):  # UTF-8's byte-order mark
+        data = data[3:]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        start = data.rfind(b"\n", 0, e.start) + 1
+        lineno = data.count(b"\n", 0, e.start) + 1
+        hint = (" (it starts with a UTF-16 byte-order mark)" if data.startswith((b"\xff\xfe", b"\xfe\xff"))
+                else "")
+        raise ValueError(
+            f"{path}:{lineno}: not UTF-8 text{hint}: byte {data[e.start:e.start + 1]!r} at column "
+            f"{e.start - start + 1} ({e.reason}); save the file as UTF-8, e.g. "
+            f"`iconv -f latin1 -t utf-8 IN > OUT` for a Latin-1 file") from None
+
+
 def _read_jsonl(path: str) -> list[Located]:
     name = os.path.basename(path)
     out: list[Located] = []
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    text = _read_utf8(path)
     if path.endswith(".json") and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

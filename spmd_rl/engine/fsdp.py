@@ -24,14 +24,28 @@ causal runs of each row, padding being a run of its own (torch's flash varlen ke
 block-diagonal SDPA mask on CPU): no query row is ever fully masked. Every forward returns
 ``[B, T]`` response log-probs whatever the layout, so loss functions never see it. The LM head is a :class:`~spmd_rl.engine.head.LogprobHead`: it
 scores only response positions, a chunk of positions at a time. On GPU AdamW is the fused kernel.
+
+Around one call: all its micro-batches are staged on the device before the first forward
+(:mod:`spmd_rl.engine.inputs`). On a one-rank mesh gradients are reduced after the last
+micro-batch only, on more ranks after each (:meth:`FSDPEngine._gradient_sync`). Where a shard spans
+one rank (``actor.fsdp.gather_once``, default on) the parameters are gathered once per pass over the
+micro-batches instead of a cast and copy per layer and micro-batch (:meth:`FSDPEngine._one_gather`).
+``actor.fsdp.compile_layers`` compiles each decoder layer in place. A non-finite gradient norm skips
+the optimizer step (:class:`~spmd_rl.engine.base.NonfiniteGuard`, at most
+``actor.skip_nonfinite_updates`` in a row) after replaying the mini-batch under
+:class:`~spmd_rl.engine.nanwatch.NonfiniteWatch`, whose report names where the NaN was made.
+``named_full_tensors`` casts shards before the gather (no collective on a one-rank mesh).
+``offload`` / ``onload`` move the sharded parameters (``actor.fsdp.param_offload``,
+``ref.param_offload``) and the AdamW state (``actor.fsdp.optimizer_offload``) to the CPU between
+phases and back; both are idempotent and no-ops on CPU runs. The same class is the actor and the
+frozen reference (``trainable=False``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,16 +57,13 @@ from torch.distributed.tensor import DTensor
 from spmd_rl.config import ActorConfig, FsdpConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.engine import attention, packing, ulysses
+from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available, keep_logits_bytes
 from spmd_rl.engine.inputs import Staged, stage
 from spmd_rl.engine.nanwatch import NonfiniteWatch
 from spmd_rl.models import check_sliding_window, load_causal_lm, sliding_window
 
 log = logging.getLogger("spmd_rl")
-
-LossFn = Callable[[torch.Tensor, torch.Tensor | None, RolloutBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""``loss_fn(logprobs[B,T], entropy[B,T] | None, micro_batch) -> (loss, metrics)``."""
-
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     inner = getattr(model, "model", None)
@@ -63,17 +74,6 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             "Hugging Face models of the Llama / Qwen / Mistral shape"
         )
     return list(layers)
-
-
-def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    """LR multiplier after ``step`` optimizer steps: linear warmup, then constant or cosine."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    span = max(total - warmup, 1)
-    progress = min(max(step - warmup, 0) / span, 1.0)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class FSDPEngine:
@@ -132,7 +132,7 @@ class FSDPEngine:
             ulysses.check_heads(model.config, self.sp_size)
         model.config.use_cache = False
         # RoPE on the projections' own layout, no transposed copies (engine/attention.py); others keep HF's
-        self.natural_attention = attention.install(model, fuse=fsdp.fuse_projections)
+        self.natural_attention = attention.install(model)
         self.sliding_window = sliding_window(model.config)
         self._head = LogprobHead.replace(model)  # log-probs at the requested positions, chunked over the vocab
         self.logits_chunk_tokens = logits_chunk_tokens or default_chunk_tokens(int(model.config.vocab_size))
@@ -164,8 +164,8 @@ class FSDPEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.grad_clip = 0.0
-        self.skip_nonfinite = actor.skip_nonfinite_updates if actor is not None else 0
-        self._nonfinite_streak = 0  # optimizer steps skipped in a row for a NaN/inf gradient norm
+        self.nonfinite = NonfiniteGuard(actor.skip_nonfinite_updates if actor is not None else 0)
+        self.actor = actor  # this run's optimizer settings, which replace a checkpoint's (load_state_dict)
         if trainable:
             assert actor is not None
             self.grad_clip = actor.grad_clip
@@ -289,23 +289,14 @@ class FSDPEngine:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = self._clip_grad_norm(params)
         lr = self.optimizer.param_groups[0]["lr"]
-        if not math.isfinite(grad_norm):
-            # grad_norm is reduced over the whole mesh, so every rank takes this branch together.
-            cause = self._nonfinite_cause(int(bad_losses), len(micro_batches))
-            cause += "; " + self._replay_nonfinite(micro_batches, loss_fn, temperature, need_entropy_grad)
+        # grad_norm is reduced over the whole mesh, so every rank takes the same branch
+        def cause() -> str:
+            return (self._nonfinite_cause(int(bad_losses), len(micro_batches)) + "; "
+                    + self._replay_nonfinite(micro_batches, loss_fn, temperature, need_entropy_grad))
+
+        if self.nonfinite.skip(grad_norm, cause):
             self.optimizer.zero_grad(set_to_none=True)
-            self._nonfinite_streak += 1
-            if self._nonfinite_streak > self.skip_nonfinite:
-                raise FloatingPointError(
-                    f"non-finite gradient norm ({grad_norm}) in the actor update, {self._nonfinite_streak} "
-                    f"update(s) in a row ({cause}). Lower --actor.lr, check the reward values, raise "
-                    f"--actor.skip-nonfinite-updates (now {self.skip_nonfinite}) to skip such updates, or resume "
-                    "from the last checkpoint; the optimizer step was skipped and no weights changed"
-                )
-            log.warning("skipped an actor update with a non-finite gradient norm (%s in a row of at most %d): %s",
-                        self._nonfinite_streak, self.skip_nonfinite, cause)
             return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
-        self._nonfinite_streak = 0
         self.optimizer.step()
         self.scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0}
@@ -429,6 +420,10 @@ class FSDPEngine:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
 
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Nothing: :meth:`state_dict`'s ``model`` holds the weights under HF names already."""
+        return {}
+
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore what :meth:`state_dict` returned (after DCP filled it in place), then offload
         as configured (the optimizer puts loaded state next to its parameters, on the device)."""
@@ -441,7 +436,22 @@ class FSDPEngine:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],  # type: ignore[arg-type]
                            optim_state_dict=state["optimizer"], options=options)  # type: ignore[arg-type]
             self.scheduler.load_state_dict(state["scheduler"])  # type: ignore[arg-type]
+            self._apply_optimizer_settings()
         self.offload()
+
+    def _apply_optimizer_settings(self) -> None:
+        """After a load: this run's ``actor.lr``, ``betas`` and ``weight_decay`` replace the saved ones
+        (the optimizer's param groups and the scheduler's base LR hold the saving run's), and the LR
+        continues from the saved update count on this run's schedule (warmup, shape, floor, length:
+        the scheduler's lambda is this run's, with its ``total_updates``). ``grad_clip`` is read from
+        this run's config at every step already."""
+        assert self.optimizer is not None and self.scheduler is not None and self.actor is not None
+        actor, sched = self.actor, self.scheduler
+        sched.base_lrs = [actor.lr] * len(self.optimizer.param_groups)
+        for group, factor in zip(self.optimizer.param_groups, sched.lr_lambdas):
+            group.update(initial_lr=actor.lr, lr=actor.lr * factor(sched.last_epoch), betas=tuple(actor.betas),
+                         weight_decay=actor.weight_decay)
+        sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # what get_last_lr() reports
 
     # ------------------------------------------------------------------ memory between phases
     def offload(self) -> None:

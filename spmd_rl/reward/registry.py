@@ -12,13 +12,20 @@ signature::
 function without ``**kwargs`` receives only the columns it names. Usage::
 
     scorer = build_scorer(fn=cfg.reward.fn, task=cfg.data.task, format_weight=cfg.reward.format_weight,
-                          on_error=cfg.reward.on_error)
+                          on_error=cfg.reward.on_error, timeout_s=cfg.reward.timeout_s)
     result = scorer(prompts, completions, columns_of(samples))   # ScoreResult
 
 A scorer that raises or returns the wrong number of scores, non-numbers, NaN or inf either stops
 the run with :class:`RewardError` naming the scorer, the sample and an excerpt
 (``on_error=raise``), or scores that sample 0.0 and counts it (``on_error=skip``). When a batch
 call fails as a whole, the samples are re-scored one by one to find the bad ones.
+
+A user function that does not return within ``reward.timeout_s`` seconds (0 = no limit) stops the
+run with :class:`RewardError` naming the function and the sample it hangs on, whatever ``on_error``
+says: the call runs in a daemon thread that Python cannot stop, so the hung call keeps running there
+until the process exits, and going on would pile such threads up. The built-in scorers run in the
+calling thread with no limit (``math`` keeps math-verify's own per-answer timeouts, which need the
+main thread).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import inspect
 import math
 import numbers
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -124,12 +132,43 @@ class _BatchError(Exception):
     """The scoring call failed as a whole (raised, or returned no list of the right length)."""
 
 
+class _Timeout(_BatchError):
+    """The scoring call did not return within ``reward.timeout_s``."""
+
+
+def _call_with_timeout(fn: ScoreFn, timeout_s: float, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, in a daemon thread when ``timeout_s`` > 0; ``_Timeout`` when it has not
+    returned after ``timeout_s`` seconds (the thread cannot be stopped: it is left to run)."""
+    if timeout_s <= 0:
+        return fn(*args, **kwargs)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["out"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller below
+            box["err"] = e
+
+    worker = threading.Thread(target=target, name=f"spmd_rl reward.fn={name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise _Timeout(f"did not return within reward.timeout_s={timeout_s:g} s (the call is left running in a "
+                       "daemon thread; raise --reward.timeout-s if it is only slow, 0 = no limit)")
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
 class Scorer:
     """A scoring function with the run's error policy and format bonus (see the module docstring)."""
 
-    def __init__(self, fn: ScoreFn, *, name: str, format_weight: float, on_error: str) -> None:
+    def __init__(self, fn: ScoreFn, *, name: str, format_weight: float, on_error: str, timeout_s: float = 0.0) -> None:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"reward.on_error must be `raise` or `skip`, got {on_error!r}")
+        if not timeout_s >= 0:
+            raise ValueError(f"reward.timeout_s must be >= 0 (0 = no limit), got {timeout_s}")
+        self.timeout_s = timeout_s
         if not math.isfinite(format_weight):
             raise ValueError(f"reward.format_weight must be finite, got {format_weight}")
         self.fn = fn
@@ -143,7 +182,9 @@ class Scorer:
         raises ``_BatchError``."""
         kwargs = columns if self._accepts is None else {k: v for k, v in columns.items() if k in self._accepts}
         try:
-            out = self.fn(prompts, completions, **kwargs)
+            out = _call_with_timeout(self.fn, self.timeout_s, self.name, prompts, completions, **kwargs)
+        except _Timeout:
+            raise
         except Exception as e:
             raise _BatchError(f"raised {type(e).__name__}: {e}") from e
         if hasattr(out, "tolist"):
@@ -162,22 +203,34 @@ class Scorer:
                 scores.append(float(v))
         return scores
 
-    def _error(self, index: int, reason: str, prompts: Sequence[str], completions: Sequence[str]) -> RewardError:
+    def _error(self, index: int, reason: str, prompts: Sequence[str], completions: Sequence[str], *,
+               note: str = "reward.on_error=skip scores such samples 0 and counts them") -> RewardError:
         return RewardError(
             f"reward.fn={self.name} failed on sample {index}: {reason}\n"
             f"  prompt: {_excerpt(prompts[index])}\n  completion: {_excerpt(completions[index])}\n"
-            f"  (reward.on_error=skip scores such samples 0 and counts them)"
+            f"  ({note})"
         )
+
+    def _timeout_error(self, index: int, err: _Timeout, prompts: Sequence[str], completions: Sequence[str]) -> RewardError:
+        """Whatever ``on_error`` says (see the module docstring)."""
+        alone = f" (scored alone, after the call on all {len(completions)} timed out)" if len(completions) > 1 else ""
+        return self._error(index, f"{err}{alone}", prompts, completions,
+                           note="a call that hangs cannot be stopped, so this stops the run even with "
+                                "reward.on_error=skip")
 
     def _main_scores(self, prompts: list[str], completions: list[str], columns: dict[str, list[Any]]) -> tuple[list[float], int]:
         try:
             raw = self._call(prompts, completions, columns)
         except _BatchError as batch_err:
-            # Score each sample alone to find the bad ones.
+            if isinstance(batch_err, _Timeout) and len(completions) == 1:
+                raise self._timeout_error(0, batch_err, prompts, completions) from None
+            # Score each sample alone to find the bad ones (the one a timed-out call hangs on).
             raw = []
             for i in range(len(completions)):
                 try:
                     raw.extend(self._call([prompts[i]], [completions[i]], {k: [v[i]] for k, v in columns.items()}))
+                except _Timeout as err:
+                    raise self._timeout_error(i, err, prompts, completions) from None
                 except _BatchError as err:
                     if self.on_error == "raise":
                         raise self._error(i, str(err), prompts, completions) from err.__cause__
@@ -223,8 +276,9 @@ class Scorer:
         return ScoreResult(scores=total, num_errors=errors, format_scores=fmt, main_scores=main)
 
 
-def build_scorer(*, fn: str, task: str, format_weight: float, on_error: str) -> Scorer:
-    """The scorer for ``reward.fn`` (``auto`` resolves by ``data.task``)."""
+def build_scorer(*, fn: str, task: str, format_weight: float, on_error: str, timeout_s: float = 0.0) -> Scorer:
+    """The scorer for ``reward.fn`` (``auto`` resolves by ``data.task``); ``timeout_s`` (``reward.timeout_s``)
+    bounds each call of a user function, not of a built-in one (see the module docstring)."""
     name = fn.strip()
     if name == "auto":
         if task not in AUTO:
@@ -232,7 +286,7 @@ def build_scorer(*, fn: str, task: str, format_weight: float, on_error: str) -> 
         name = AUTO[task]
     if name in BUILTIN:
         return Scorer(BUILTIN[name], name=name, format_weight=format_weight, on_error=on_error)
-    return Scorer(load_user_fn(name), name=name, format_weight=format_weight, on_error=on_error)
+    return Scorer(load_user_fn(name), name=name, format_weight=format_weight, on_error=on_error, timeout_s=timeout_s)
 
 
 __all__ = ["AUTO", "BUILTIN", "RewardError", "ScoreResult", "Scorer", "build_scorer", "load_user_fn"]

@@ -73,7 +73,8 @@ def build_run_reward(*, reward: RewardConfig, task: str, system_prompt: str | No
                      device: torch.device, cache_dir: str | None) -> RunReward:
     """The run's reward for a global-pool rank: remote when ``exchange`` is given (a reward pool
     exists), else colocated over ``mesh`` when ``reward.model.path`` is set, else rules only."""
-    scorer = build_scorer(fn=reward.fn, task=task, format_weight=reward.format_weight, on_error=reward.on_error)
+    scorer = build_scorer(fn=reward.fn, task=task, format_weight=reward.format_weight, on_error=reward.on_error,
+                          timeout_s=reward.timeout_s)
     rm = reward.model
     if rm.path is None:
         return RunReward(scorer=scorer, group=group)

@@ -18,3 +18,12 @@ def raises_on_seven(prompts: list[str], completions: list[str], **columns: list)
         if "7" in p:
             raise ArithmeticError("scorer exploded on a prompt with a 7")
     return [0.0 for _ in completions]
+
+
+def hangs_on_seven(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    """Never returns for a prompt that mentions 7 (a hung scorer): exercises `reward.timeout_s`."""
+    import threading
+
+    if any("7" in p for p in prompts):
+        threading.Event().wait()  # forever
+    return [1.0 for _ in completions]
