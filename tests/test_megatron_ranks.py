@@ -1,6 +1,6 @@
 """MegatronLayout against megatron-core's own rank generation, for many layouts and orders.
 
-Needs megatron-core (pure Python for this use; CI installs it):
+Needs megatron-core (pure Python for this use; in the ``test`` extra, skipped without it):
 ``pip install megatron-core==0.16.1``. Run: ``python -m pytest tests/test_megatron_ranks.py -q``.
 
 ``reference()`` forms the groups the way ``megatron.core.parallel_state.initialize_model_parallel``
@@ -20,7 +20,9 @@ from spmd_rl.distributed.dims import MegatronLayout
 
 with warnings.catch_warnings():  # megatron-core warns that Transformer Engine / Apex are absent
     warnings.simplefilter("ignore")
-    from megatron.core.parallel_state import RankGenerator
+    RankGenerator = pytest.importorskip(
+        "megatron.core.parallel_state", reason="needs megatron-core (in the test extra: pip install -e '.[test]')"
+    ).RankGenerator
 
 ORDERS = [
     "tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-dp", "tp-dp-pp", "pp-tp-cp-ep-dp", "dp-tp-cp-ep-pp", "cp-ep-tp-dp-pp",

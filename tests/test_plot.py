@@ -15,6 +15,7 @@ import pytest
 
 from conftest import REPO
 from spmd_rl import plot
+from support import deps
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -50,6 +51,7 @@ def assert_png(path: Path) -> None:
     assert len(data) > 5_000, f"{path} is only {len(data)} bytes"
 
 
+@deps.matplotlib
 def test_plot_writes_every_curve(tmp_path: Path) -> None:
     write_run(tmp_path / "run")
     paths = plot.plot_run(tmp_path / "run")
@@ -60,6 +62,7 @@ def test_plot_writes_every_curve(tmp_path: Path) -> None:
         assert_png(p)
 
 
+@deps.matplotlib
 def test_cli_prints_paths_and_honours_out(tmp_path: Path) -> None:
     write_run(tmp_path / "run", with_val=False, kl=False)
     # a run still writing: the last line is cut short and must be skipped
