@@ -20,10 +20,25 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .base import GenerationOutput, RolloutEngine
-from .native import NativeRollout
 
 if TYPE_CHECKING:
     from spmd_rl.config import RolloutConfig
+
+    from .native import NativeRollout
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NativeRollout":  # imported on first use: planning a layout needs no transformers
+        from .native import NativeRollout
+
+        return NativeRollout
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _native(**kwargs: Any) -> RolloutEngine:
+    from .native import NativeRollout
+
+    return NativeRollout(**kwargs)
 
 
 def _vllm(**kwargs: Any) -> RolloutEngine:
@@ -68,7 +83,7 @@ class BackendSpec:
 
 
 BACKENDS: dict[str, BackendSpec] = {
-    "native": BackendSpec(factory=NativeRollout, options=_native_options, model_parallel=False, whole_world=False),
+    "native": BackendSpec(factory=_native, options=_native_options, model_parallel=False, whole_world=False),
     "vllm": BackendSpec(factory=_vllm, options=_vllm_options, model_parallel=True, whole_world=True,
                         check=_vllm_check),
 }
