@@ -6,17 +6,34 @@ the world and builds every pool's groups and meshes together. Then it runs the l
 the ``global`` pool's ranks the trainer, the ``reward`` pool's ranks (``pools.reward_ranks``) the
 reward-model server, until the trainer sends them ``stop`` (or ``abort`` with its error when it
 fails, so that no reward rank waits out the timeout).
+
+A bad configuration exits with status 2 and its message, printed by rank 0 at once; the other ranks
+wait ``REPORT_GRACE_S`` before printing it themselves, so that none of them exits first and has
+torchrun stop rank 0 before it printed.
+
+Run as a program, the process ends through :func:`run`: a torchrun worker dies with its agent
+(``kill -9`` of torchrun: SIGTERM, :func:`~spmd_rl.distributed.process.die_with_parent`), an
+exception is torchrun's root cause (its error file), and the process ends with ``os._exit`` after
+the exit handlers, never finalizing the interpreter while gloo threads live (the SIGABRT at exit:
+:mod:`spmd_rl.distributed.process`). A stage that stalls on a stopped or hung rank ends the run
+after ``trainer.stall_timeout_s`` (:mod:`spmd_rl.distributed.watchdog`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
+_PARENT_PID = os.getppid()  # before the imports below: the launcher that started this process
+
+from spmd_rl.compiled import use_compile_cache
 from spmd_rl.config import load_config
 from spmd_rl.distributed.plan import plan
 from spmd_rl.distributed.env import DistEnv
+from spmd_rl.distributed.process import die_with_parent, exit_now, run_entry
+from spmd_rl.distributed.watchdog import install, start_watchdog
 from spmd_rl.metrics import setup_logging
 
 log = logging.getLogger("spmd_rl")
@@ -26,6 +43,8 @@ REPORT_GRACE_S = 3.0
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun worker: end with the agent, even a kill -9'd one
+        die_with_parent(_PARENT_PID)
     env = DistEnv.from_environ()
     setup_logging(env.rank, env.hostname)
     try:
@@ -43,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         where = "" if env.is_main else f" (rank {env.rank})"
         print(f"spmd_rl.train: invalid configuration{where}: {e}", file=sys.stderr, flush=True)
         return 2
+    from spmd_rl.models.builtin import cache_root
+
+    use_compile_cache(cache_root(cfg.model.cache_dir) / "compile")  # before anything compiles
     env.init(device=cfg.trainer.device, timeout_s=cfg.trainer.dist_timeout_s)
+    watchdog = start_watchdog(env, cfg.trainer.stall_timeout_s)  # stage 'setup' until the trainer's first
+    install(watchdog)
     from spmd_rl.distributed.world import build_run_groups
     from spmd_rl.trainer import Trainer  # heavy imports after the cheap checks
     import transformers
@@ -54,11 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     if groups.in_reward_pool:
         from spmd_rl.reward.server import serve_reward_pool
 
+        watchdog.beat(0, "reward server", lockstep=False)  # checked for silence only: a server has no steps
         try:
             return serve_reward_pool(rm=cfg.reward.model, cache_dir=cfg.model.cache_dir, device=env.device,
                                      exchange=groups.exchange, group=groups.pools.get("reward").group,
                                      mesh=groups.reward_mesh)
         finally:
+            watchdog.stop()
             env.shutdown()
     trainer = None
     error = None
@@ -71,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             log.error("rank %d failed, stopping the reward pool: %s", env.rank, error)
         raise
     finally:
+        watchdog.stop()  # the loop is over: a rank closing (wandb upload) while the others have left is no stall
         if groups.exchange is not None:
             groups.exchange.close(error)
         if trainer is not None:
@@ -79,5 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run(argv: list[str] | None = None) -> None:
+    """The program: :func:`main`'s status (0, 2 for a bad configuration, 1 with the traceback
+    printed on an error), ended without interpreter finalization (spmd_rl.distributed.process)."""
+    exit_now(run_entry(main, argv))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -49,6 +49,7 @@ from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.distributed.comm import all_gather_objects, broadcast_object, fail_together, relayout
 from spmd_rl.distributed.env import DistEnv, format_rank_table
 from spmd_rl.distributed.plan import Plan, plan
+from spmd_rl.distributed import watchdog
 from spmd_rl.distributed.pools import GLOBAL
 from spmd_rl.distributed.world import RunGroups, build_run_groups
 from spmd_rl.engine import build_engine, engine_spec
@@ -62,13 +63,17 @@ log = logging.getLogger("spmd_rl")
 
 
 class StageTimer:
-    def __init__(self) -> None:
+    """Seconds per stage of one step; each stage is also a profiler range and a watchdog heartbeat
+    (:mod:`spmd_rl.distributed.watchdog`: a rank stuck in a stage is named, not waited for)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
         self.seconds: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
-        with torch.profiler.record_function(STAGE_PREFIX + name):  # a named range under torch.profiler
+        with torch.profiler.record_function(STAGE_PREFIX + name), watchdog.current().stage(name, self.step):
             yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
@@ -186,7 +191,7 @@ class Trainer:
         while self.step < cfg.total_steps:
             self.step += 1
             self.sink.step_started(self.step, self.env.device)
-            timer = StageTimer()
+            timer = StageTimer(self.step)
             acc = MetricAccumulator()
             trace = os.path.join(cfg.output_dir, "profile", f"step{self.step}_rank{self.env.rank}.json.gz")
             profiling = profiled(self.env.device, trace) if self.step in cfg.profile_steps else nullcontext()

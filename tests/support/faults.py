@@ -6,6 +6,9 @@
 Rank ``$KILL_RANK`` SIGKILLs itself on its ``$KILL_AT_CALL``-th scoring call (the step number
 when validation is off), unless the marker file ``$KILL_MARKER`` exists; it writes the marker
 first, so the job that torchrun restarts runs through. Simulates a crashed process or node.
+``digit_fraction_paused_once`` holds a run alive at its first scoring call until a file appears.
+``digit_fraction_stopped`` SIGSTOPs a rank mid-step (a frozen process: the stall watchdog), and
+``digit_fraction_late_gloo_work`` leaves gloo work for the process's exit (the exit abort).
 """
 
 from __future__ import annotations
@@ -27,4 +30,89 @@ def digit_fraction_killed_once(prompts: list[str], completions: list[str], **col
         with open(marker, "w") as f:
             f.write(f"killed rank {os.environ.get('RANK')} at scoring call {_calls}\n")
         os.kill(os.getpid(), signal.SIGKILL)
+    return digit_fraction(prompts, completions, **columns)
+
+
+def digit_fraction_paused_once(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    """Holds the run at its first scoring call: writes ``$PAUSE_STARTED`` (the run is alive and holds
+    its output folder), then waits until ``$PAUSE_GO`` exists (at most 300 s). Run with
+    ``--reward.timeout-s 0``. Keeps a run alive while a test starts a second one beside it."""
+    import time
+
+    global _calls
+    _calls += 1
+    if _calls == 1:
+        with open(os.environ["PAUSE_STARTED"], "w") as f:
+            f.write(f"rank {os.environ.get('RANK')} pid {os.getpid()}\n")
+        deadline = time.monotonic() + 300
+        while not os.path.exists(os.environ["PAUSE_GO"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    return digit_fraction(prompts, completions, **columns)
+
+
+def digit_fraction_stopped(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    """Rank ``$STOP_RANK`` SIGSTOPs itself at its ``$STOP_AT_CALL``-th scoring call (the reward
+    stage of that step), after writing its pid to ``$STOP_MARKER``: a frozen process or node."""
+    global _calls
+    _calls += 1
+    if os.environ.get("RANK") == os.environ.get("STOP_RANK", "1") and _calls == int(os.environ["STOP_AT_CALL"]):
+        with open(os.environ["STOP_MARKER"], "w") as f:
+            f.write(f"{os.getpid()}\n")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return digit_fraction(prompts, completions, **columns)
+
+
+_KEEP: list = []
+
+
+class _SlowFinalizer:
+    """Keeps the interpreter's finalization going for a while (its ``__del__`` runs when the
+    module's globals are cleared, after Python has marked itself finalizing)."""
+
+    def __del__(self, sleep=__import__("time").sleep) -> None:
+        sleep(10)
+
+
+def digit_fraction_late_gloo_work(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    """At its ``$FAULT_AT_CALL``-th scoring call (the last step), leaves gloo work for the process's
+    exit, as the trainer's own async work can: rank 0 starts an async all_reduce with a Python
+    callback held only by gloo's worker thread; rank 1 joins it once rank 0 has run its exit
+    handlers (a store key set by an ``atexit`` handler). If rank 0 then finalizes its interpreter
+    (kept at it by ``_SlowFinalizer``), the worker thread runs the callback, takes the GIL, is
+    ended by ``pthread_exit`` and the process aborts (``terminate called without an active
+    exception``, or SIGSEGV): issue 20's exit abort, made deterministic. A process that ends with
+    ``os._exit`` after its exit handlers never finalizes."""
+    global _calls
+    _calls += 1
+    if _calls == int(os.environ["FAULT_AT_CALL"]):
+        import atexit
+        import threading
+        import time
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store().clone()  # its own connection
+        key = "support.faults/rank0_exiting"
+        # A gloo group that destroy_process_group() does not know (it would end the pending work),
+        # as a group still referenced after it is; every rank scores as often: all make it here.
+        group = dist.ProcessGroupGloo(dist.PrefixStore("support.faults/late", store), dist.get_rank(),
+                                      dist.get_world_size(), timedelta(seconds=60))
+        _KEEP.append(group)  # its destructor would wait for the pending work
+        if dist.get_rank() == 0:
+            group.allreduce([torch.zeros(1)]).get_future().then(lambda f: f.value())
+            atexit.register(store.set, key, "1")
+            _KEEP.append(_SlowFinalizer())
+        else:
+            def late() -> None:
+                try:
+                    store.wait([key], timedelta(seconds=120))
+                    time.sleep(1.0)
+                    group.allreduce([torch.ones(1)]).wait()
+                except RuntimeError:  # rank 0 has gone already
+                    pass
+
+            # not a daemon (scoring runs in a daemon thread, whose threads are daemons by default): the exit waits
+            threading.Thread(target=late, name="late all_reduce", daemon=False).start()
     return digit_fraction(prompts, completions, **columns)
