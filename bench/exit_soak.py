@@ -39,11 +39,12 @@ FLAGS = [  # one step, validation and the final checkpoint: the run ends right a
 ]
 
 
-def _busy(stop_at: float) -> None:
+def _busy(stop_at: float, parent: int) -> None:
     os.nice(5)  # load, not starvation: the runs must still finish
     x = 0
-    while time.time() < stop_at:
-        x = (x * 1103515245 + 12345) & 0xFFFFFFFF
+    while time.time() < stop_at and os.getppid() == parent:  # ends with the soak, even a killed one
+        for _ in range(100_000):
+            x = (x * 1103515245 + 12345) & 0xFFFFFFFF
 
 
 def _free_port() -> int:
@@ -87,8 +88,8 @@ def main() -> int:
     args = ap.parse_args()
 
     deadline = time.monotonic() + args.max_minutes * 60
-    loaders = [multiprocessing.Process(target=_busy, args=(time.time() + args.max_minutes * 60 + 600,), daemon=True)
-               for _ in range(args.load)]
+    stop_at = time.time() + args.max_minutes * 60 + args.run_timeout_s
+    loaders = [multiprocessing.Process(target=_busy, args=(stop_at, os.getpid()), daemon=True) for _ in range(args.load)]
     for p in loaders:
         p.start()
     counts: dict[str, int] = {}
