@@ -1,12 +1,15 @@
-"""Outcome-reward advantage estimators for group-sampled responses.
+"""Advantage estimators: outcome-reward ones for group-sampled responses, and GAE.
 
-Each function takes one scalar score per response (``scores[B]``), the id of
+Each outcome-reward function (``grpo``, ``rloo``, ``reinforce_pp_baseline``) takes one scalar score per response (``scores[B]``), the id of
 the prompt group the response belongs to (``group_index[B]``, any integer ids,
 groups need not be contiguous) and the response mask (``response_mask[B, T]``),
 and returns token-level advantages ``[B, T]`` that are zero on masked tokens::
 
     from spmd_rl.algo import advantages
     adv = advantages.grpo(scores, group_index, response_mask)
+
+:func:`gae` instead takes token-level rewards and a critic's values (both ``[B, T]``) and
+returns ``(advantages, returns)``.
 
 All functions are pure tensor code and run on whatever device the inputs are
 on. Statistics are computed in at least float32 (float64 inputs stay float64);
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grpo", "rloo", "reinforce_pp_baseline"]
+__all__ = ["grpo", "rloo", "reinforce_pp_baseline", "gae"]
 
 
 def _check_inputs(
@@ -141,3 +144,65 @@ def reinforce_pp_baseline(
     tok_mean = x.sum() / n_tok.clamp(min=1)
     tok_var = (((x - tok_mean) * mask) ** 2).sum() / (n_tok - 1).clamp(min=1)
     return (x - tok_mean) / (tok_var.sqrt() + eps) * mask
+
+
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over the response tokens.
+
+    Follows verl's ``compute_gae_advantage_return`` (``verl/trainer/ppo/core_algos.py``, the
+    version that skips masked tokens). Walking each row backwards from the last token::
+
+        delta_t = r_t + gamma * V_next - V_t
+        A_t     = delta_t + gamma * lam * A_next
+
+    where ``V_next`` / ``A_next`` are the value and advantage of the next *valid* token (0 past
+    the last one): a masked token (padding, or a hole such as a tool's observation tokens in a
+    multi-turn response) does not update them, so the recursion runs straight across it and its
+    reward and value are ignored. ``returns = A + V``, taken before whitening; the advantages
+    are then whitened over the valid tokens of the whole batch like verl's ``masked_whiten``:
+    ``(A - mean) / sqrt(var + 1e-8)`` with the masked mean and the masked unbiased (n - 1)
+    variance.
+
+    Both results are ``[B, T]``, detached, in at least float32, and 0 on masked tokens (verl
+    leaves arbitrary values there; only valid tokens are meant to be used). Where verl raises
+    (fewer than two valid tokens in the batch) the variance is taken as 0: one valid token gets
+    advantage 0, and with none everything is 0. The statistics are over this call's batch, so
+    call it on the whole batch, not per micro-batch.
+    """
+    if token_rewards.dim() != 2:
+        raise ValueError(f"token_rewards must be [B, T], got shape {tuple(token_rewards.shape)}")
+    for name, t in (("values", values), ("mask", mask)):
+        if t.shape != token_rewards.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != token_rewards shape {tuple(token_rewards.shape)}")
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
+    dtype = torch.promote_types(_compute_dtype(token_rewards), _compute_dtype(values))
+    with torch.no_grad():
+        r = token_rewards.detach().to(dtype)
+        v = values.detach().to(dtype)
+        valid = mask.detach().bool()
+        B, T = r.shape
+        adv = torch.zeros(B, T, dtype=dtype, device=r.device)
+        next_value = torch.zeros(B, dtype=dtype, device=r.device)
+        next_adv = torch.zeros(B, dtype=dtype, device=r.device)
+        for t in range(T - 1, -1, -1):
+            a_t = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * next_adv
+            next_value = torch.where(valid[:, t], v[:, t], next_value)
+            next_adv = torch.where(valid[:, t], a_t, next_adv)
+            adv[:, t] = next_adv
+        # where, not a product: a NaN reward or value on a masked token must not leak out.
+        zero = torch.zeros((), dtype=dtype, device=r.device)
+        adv = torch.where(valid, adv, zero)
+        returns = torch.where(valid, adv + v, zero)
+
+        n = valid.sum().to(dtype)
+        mean = adv.sum() / n.clamp(min=1)
+        var = torch.where(valid, adv - mean, zero).square().sum() / (n - 1).clamp(min=1)
+        whitened = torch.where(valid, (adv - mean) * torch.rsqrt(var + 1e-8), zero)
+    return whitened, returns

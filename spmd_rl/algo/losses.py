@@ -1,4 +1,4 @@
-"""Policy-gradient losses, KL penalties, loss aggregation and the rollout IS weights.
+"""Policy-gradient and value losses, KL penalties, loss aggregation and the rollout IS weights.
 
 Shapes: ``B`` responses, ``T`` response tokens. Masks are 0/1 float or bool
 ``[B, T]``. Typical use inside a training micro-step::
@@ -33,6 +33,8 @@ __all__ = [
     "aggregate",
     "ppo_clip",
     "gspo",
+    "cispo",
+    "value_loss",
     "truncated_is_weights",
 ]
 
@@ -265,6 +267,85 @@ def gspo(
             "pg_clipfrac_lower": torch.zeros((), dtype=final.dtype, device=final.device),
         }
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def cispo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    agg_mode: str,
+    global_tokens: Optional[Count] = None,
+    global_seqs: Optional[Count] = None,
+    token_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, Chen et al. 2025): REINFORCE with a clipped, detached IS weight.
+
+    ratio = exp(clamp(logp - old_logp, -20, 20)); per token
+    ``-sg(clip(ratio, 1-clip_low, 1+clip_high)) * A * logp``. Unlike PPO's clip no token is
+    dropped: a clipped token still gets the gradient ``-w A`` with its weight capped. Same as
+    verl's ``compute_policy_loss_cispo``.
+
+    Metrics (detached local token means, as verl): ``pg_clipfrac`` = share of tokens whose
+    ratio was clipped on either side, ``ppo_kl`` = mean old_logp - logp, and
+    ``pg_clipfrac_lower`` reported as 0 (no dual clip) to keep :func:`ppo_clip`'s keys.
+    """
+    _check_pg_inputs(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
+    neg_approx_kl = (logprobs - old_logprobs).clamp(min=-20.0, max=20.0)
+    ratio = torch.exp(neg_approx_kl)
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = -clipped_ratio.detach() * advantages * logprobs
+    per_token = _apply_token_weights(per_token, token_weights)
+
+    loss = aggregate(per_token, mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": _masked_mean((ratio != clipped_ratio).to(per_token.dtype), mask),
+            "ppo_kl": _masked_mean(-neg_approx_kl, mask),
+            "pg_clipfrac_lower": torch.zeros((), dtype=per_token.dtype, device=per_token.device),
+        }
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip: float,
+    agg_mode: str,
+    global_tokens: Optional[Count] = None,
+    global_seqs: Optional[Count] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss, as verl's ``compute_value_loss``.
+
+    ``vpreds`` are the critic's current predictions, ``values`` its predictions when the batch
+    was collected, ``returns`` the targets (e.g. from :func:`spmd_rl.algo.advantages.gae`).
+    ``vclipped = clamp(vpreds, values - clip, values + clip)``; the loss is
+    ``0.5 * aggregate(max((vpreds - returns)^2, (vclipped - returns)^2))`` with ``agg_mode``
+    (see :func:`aggregate`, whose seq modes differ from verl's ``agg_loss`` in counting fully
+    masked rows). Returns ``(loss, clipfrac)``, clipfrac = detached local token mean of
+    "the clipped error is the larger one".
+    """
+    _check_same_shape("vpreds", vpreds, "returns", returns)
+    _check_same_shape("vpreds", vpreds, "values", values)
+    _check_same_shape("vpreds", vpreds, "mask", mask)
+    if clip < 0:
+        raise ValueError(f"value clip must be >= 0, got {clip}")
+    # clamp with tensor bounds rather than values + clamp(vpreds - values): an unclipped
+    # prediction stays bit-identical, so rounding can't count it as clipped.
+    vclipped = torch.clamp(vpreds, min=values - clip, max=values + clip)
+    err = (vpreds - returns).square()
+    err_clipped = (vclipped - returns).square()
+    per_token = torch.maximum(err, err_clipped)
+    loss = 0.5 * aggregate(per_token, mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+    with torch.no_grad():
+        clipfrac = _masked_mean((err_clipped > err).to(per_token.dtype), mask)
+    return loss, clipfrac.detach()
 
 
 def truncated_is_weights(
