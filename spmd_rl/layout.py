@@ -2,11 +2,15 @@
 
     python -m spmd_rl.layout --config configs/gsm8k.yaml --world-size 16 --nproc-per-node 8
     python -m spmd_rl.layout --actor.engine megatron --actor.megatron.tp 2 --world-size 8 --json
+    python -m spmd_rl.layout --pools.rollout-ranks 2 --pools.colocate 2 --world-size 4 --nproc-per-node 4
 
 Takes every flag of ``spmd_rl.train`` (same config loading) plus its own. It runs the same
 validation as the trainer (:func:`spmd_rl.distributed.plan.plan`), so an invalid layout exits non-zero
 with the trainer's message. The text output is tables (ranks, then groups); ``--json`` prints one
-object ``{"world_size", "ranks": [...], "groups": {"<mesh>.<axis>": [[global ranks], ...]}}``.
+object ``{"world_size", "pools", "ranks": [...], "groups": {"<mesh>.<axis>": [[global ranks], ...]}}``;
+each rank has its ``"pools"`` (name -> rank in that pool) and its ``"gpu"`` (device index on its node,
+from ``--nproc-per-node`` and ``--pools.colocate``). The rollout's groups (``rollout.tp`` / ``.pp`` /
+``.dp``) are made of the rollout pool's ranks when it has one.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def describe(p: Plan) -> dict[str, Any]:
     ranks = []
     for r in range(p.world_size):
         entry: dict[str, Any] = {
-            "rank": r, "node": p.node(r), "local_rank": p.local_rank(r),
+            "rank": r, "node": p.node(r), "local_rank": p.local_rank(r), "gpu": p.gpu(r),
             "pools": {s.name: s.local_rank(r) for s in p.pools if s.contains(r)},
         }
         for name in ("fsdp", "ulysses", "megatron", "rollout"):
@@ -63,7 +67,9 @@ def describe(p: Plan) -> dict[str, Any]:
         "world_size": p.world_size,
         "nproc_per_node": p.nproc_per_node,
         "engine": p.engine,
+        "colocate": p.colocate,
         "pools": [{"name": s.name, "start": s.start, "size": s.size} for s in p.pools],
+        "memory_fractions": dict(p.memory_fractions),
         "actor_dp_size": p.dp_size,
         "rollout_dp_size": p.rollout_dp_size,
         "unavailable": dict(p.unavailable),
@@ -108,13 +114,16 @@ def render(p: Plan) -> str:
     layouts = {k: v for k, v in p.layouts().items() if k not in other}
     if len(layouts) < len(p.layouts()):
         out.append(f"({'/'.join(other)} left out: the actor engine is {p.engine}; --json lists every layout)")
-    spans: list[tuple[str, list[str]]] = [("", ["rank", "node", "local"]), ("pools", [s.name for s in p.pools])]
+    if p.colocate > 1:
+        out.append(f"{p.colocate} processes per GPU; GPU memory share per process: "
+                   + ", ".join(f"{k} {v:.2f}" for k, v in p.memory_fractions.items()))
+    spans: list[tuple[str, list[str]]] = [("", ["rank", "node", "local", "gpu"]), ("pools", [s.name for s in p.pools])]
     for name, (_, lay) in layouts.items():
         spans.append((name, list(lay.coords(0))))
     rows = []
     for e in d["ranks"]:
         row = [str(e["rank"]), "-" if e["node"] is None else str(e["node"]),
-               "-" if e["local_rank"] is None else str(e["local_rank"])]
+               "-" if e["local_rank"] is None else str(e["local_rank"]), "-" if e["gpu"] is None else str(e["gpu"])]
         row += [str(e["pools"].get(s.name, "-")) for s in p.pools]
         for name, (pool, lay) in layouts.items():
             axes = list(lay.coords(0))

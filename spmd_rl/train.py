@@ -50,9 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         run_plan = plan(cfg, env.world_size, env.local_world_size)  # every layout rule, before any group
-        if cfg.pools.reward_ranks and cfg.reward.model.path is None:
-            raise ValueError(f"pools.reward_ranks={cfg.pools.reward_ranks} makes a reward pool, but reward.model.path "
-                             "is not set, so it would serve nothing: set --reward.model.path or --pools.reward_ranks 0")
     except (ValueError, FileNotFoundError) as e:
         # Every rank finds the same error. Rank 0 reports it at once; the others wait, so that none of
         # them exits first and has torchrun stop rank 0 before it printed (then torchrun stops them
@@ -65,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     from spmd_rl.models.builtin import cache_root
 
     use_compile_cache(cache_root(cfg.model.cache_dir) / "compile")  # before anything compiles
-    env.init(device=cfg.trainer.device, timeout_s=cfg.trainer.dist_timeout_s)
+    env.init(device=cfg.trainer.device, timeout_s=cfg.trainer.dist_timeout_s, colocate=cfg.pools.colocate)
+    cap_memory(run_plan, env)
     watchdog = start_watchdog(env, cfg.trainer.stall_timeout_s)  # stage 'setup' until the trainer's first
     install(watchdog)
     from spmd_rl.distributed.world import build_run_groups
@@ -75,6 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()
 
     groups = build_run_groups(run_plan, env, close_timeout_s=min(60.0, cfg.trainer.dist_timeout_s))
+    if groups.in_rollout_pool or groups.in_teacher_pool:
+        from spmd_rl.serve import serve_pool
+
+        watchdog.beat(0, f"{groups.role} server", lockstep=False)  # checked for silence only: no steps
+        try:
+            return serve_pool(cfg, env, groups)
+        finally:
+            watchdog.stop()
+            env.shutdown()
     if groups.in_reward_pool:
         from spmd_rl.reward.server import serve_reward_pool
 
@@ -93,17 +100,32 @@ def main(argv: list[str] | None = None) -> int:
         trainer.fit()
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"
-        if groups.exchange is not None:  # logged before the reward pool is told, which may end the job
-            log.error("rank %d failed, stopping the reward pool: %s", env.rank, error)
+        if len(run_plan.pools) > 1:  # logged before the other pools are told, which may end the job
+            log.error("rank %d failed, stopping the other pools: %s", env.rank, error)
         raise
     finally:
         watchdog.stop()  # the loop is over: a rank closing (wandb upload) while the others have left is no stall
-        if groups.exchange is not None:
-            groups.exchange.close(error)
+        for other in (groups.exchange, groups.rollout_link, groups.teacher_link):
+            if other is not None:  # stop, or abort with the error
+                other.close(error)
         if trainer is not None:
             trainer.close()
         env.shutdown()
     return 0
+
+
+def cap_memory(run_plan: object, env: DistEnv) -> None:
+    """With several processes per GPU, cap this one at its pool's share of the device's memory."""
+    fractions = getattr(run_plan, "memory_fractions")
+    if not fractions or env.device.type != "cuda":
+        return
+    import torch
+
+    pool = run_plan.member_of(env.rank)[0]  # type: ignore[attr-defined]
+    torch.cuda.set_per_process_memory_fraction(fractions[pool], env.device)
+    total = torch.cuda.get_device_properties(env.device).total_memory
+    log.info("rank %d (%s pool) may use %.2f of %s (%.1f GiB)", env.rank, pool, fractions[pool], env.device,
+             fractions[pool] * total / 2**30)
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -52,7 +52,8 @@ from spmd_rl.distributed.plan import Plan, plan
 from spmd_rl.distributed import watchdog
 from spmd_rl.distributed.pools import GLOBAL
 from spmd_rl.distributed.world import RunGroups, build_run_groups
-from spmd_rl.engine import build_engine, engine_spec
+from spmd_rl.distill import TeacherLink, check_tokenizers
+from spmd_rl.engine import build_engine, build_teacher, engine_spec
 from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, grpo_step_flops, peak_flops, phase_mfu
 from spmd_rl.models import FlopsModel, eos_token_ids, load_tokenizer, resolve_model_path
 from spmd_rl.profiling import STAGE_PREFIX, format_stage_times, profiled, stage_times
@@ -97,6 +98,10 @@ class Placement:
 
     @classmethod
     def of(cls, p: Plan, rank: int) -> Placement:
+        if p.rollout_separate:  # rows arrive from the rollout pool already in the actor's layout
+            dp = p.dp_rank(rank)
+            return cls(rollout_dp=dp, rollout_dp_size=p.dp_size, rollout_mp=0, rollout_mp_size=1, actor_dp=dp,
+                       actor_dp_size=p.dp_size, sum_weight=float(p.counts_in_sums(rank)))
         c = p.rollout.coords(rank)
         return cls(rollout_dp=c["dp"], rollout_dp_size=p.rollout_dp_size, rollout_mp=c["pp"] * p.rollout.tp + c["tp"],
                    rollout_mp_size=p.rollout.tp * p.rollout.pp, actor_dp=p.dp_rank(rank), actor_dp_size=p.dp_size,
@@ -105,6 +110,12 @@ class Placement:
     def rollout_source(self, rank: int, pool_size: int) -> tuple[int, int]:
         """Rows' origin for :func:`relayout`: the replica (one model per rank) or the rank's own share."""
         return (rank, pool_size) if self.rollout_mp_size > 1 else (self.rollout_dp, self.rollout_dp_size)
+
+
+def rollout_seed(cfg: Config, replica: int) -> int:
+    """The rollout engine's seed: one per replica (rollout dp rank), shared by its tp x pp ranks,
+    the same whether the rollout is colocated or on its own pool."""
+    return cfg.trainer.seed * 1_000_003 + replica
 
 
 class Trainer:
@@ -135,12 +146,14 @@ class Trainer:
                        total_updates=cfg.trainer.total_steps * self.updates_per_step)
         self.actor = build_engine("actor", **engines)
         self.ref = build_engine("ref", **engines) if cfg.algo.use_kl_loss else None
-        self.rollout = build_rollout_from_config(
+        self.teacher = self._teacher(groups)  # on-policy distillation (teacher.model.path), else None
+        self.link = groups.rollout_link  # the rollout pool (pools.rollout_ranks > 0), else None
+        self.rollout = None if self.link else build_rollout_from_config(
             cfg.rollout, model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
             eos_token_ids=self.eos_ids, trust_remote_code=cfg.model.trust_remote_code,
-            max_prompt_length=cfg.data.max_prompt_length,  # seed: one per replica, shared by its ranks
-            seed=cfg.trainer.seed * 1_000_003 + self.place.rollout_dp)
+            max_prompt_length=cfg.data.max_prompt_length, seed=rollout_seed(cfg, self.place.rollout_dp))
         self.policy_version = self.rollout_version = 0  # actor updates so far / those the rollout holds
+        self.row_weight = 1.0  # what a row this rank holds counts in sums (< 1 where rows repeat over ranks)
         # Old log-probs: needed for several optimizer steps per batch, and by the IS correction
         # (the trainer's own log-probs of the sampling policy).
         self.need_old_logprobs = self.updates_per_step > 1 or cfg.algo.rollout_is != "none"
@@ -151,6 +164,19 @@ class Trainer:
                                 actor=self.actor, sampler=self.sampler)
         self.checkpointer.check_writable(checkpoint_bytes(  # before the first step, not at the first save
             model_parameters(self.model_folder), hf_copy=engine_spec(cfg.actor.engine).export_copy))
+
+    def _teacher(self, groups: RunGroups):
+        """The teacher's log-probs: a frozen FSDP engine on the actor's mesh, or the teacher pool's link."""
+        path = self.cfg.teacher.model.path
+        if path is None:
+            return None
+        folder = resolve_model_path(path, cache_dir=self.cfg.model.cache_dir)
+        tokenizer = load_tokenizer(folder, trust_remote_code=self.cfg.teacher.model.trust_remote_code)
+        check_tokenizers(self.tokenizer, tokenizer, student_path=self.cfg.model.path, teacher_path=path)
+        if groups.teacher_link is not None:
+            return groups.teacher_link
+        return build_teacher(teacher=self.cfg.teacher, actor=self.cfg.actor, model_folder=folder, mesh=groups.actor_mesh,
+                             group=self.group, device=self.env.device, pad_token_id=self.pad_id, sp_group=groups.sp_group)
 
     def _open_sink(self, rank_table: list[dict]) -> RunSink | NullSink:
         """Rank 0's console / JSONL / wandb sink (a no-op elsewhere); writes ``config.yaml``."""
@@ -210,6 +236,9 @@ class Trainer:
                     self.old_logprobs(batch, acc)
                 with timer("ref"):
                     self.ref_logprobs(batch)
+                if self.teacher is not None:
+                    with timer("teacher"):
+                        self.teacher_logprobs(batch)
                 with timer("adv"):
                     self.advantages(batch, acc)
                 with timer("update"):
@@ -231,29 +260,36 @@ class Trainer:
                                    src=self.pool.spec.start, group=self.group)
         if not self.env.is_main:
             self.sampler.next_batch()  # keep every rank's sampler in step, for checkpoints
-        dp, dp_size = self.place.rollout_dp, self.place.rollout_dp_size
-        per_rank = len(indices) // dp_size
-        mine = list(range(dp * per_rank, (dp + 1) * per_rank))
-        self.rollout.wake_up()
-        out = self.rollout.generate(
-            [self.train_ids[indices[i]] for i in mine], n=self.cfg.rollout.n,
-            temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p, top_k=self.cfg.rollout.top_k,
-            max_new_tokens=self.cfg.rollout.max_new_tokens,
-            seed=self.cfg.trainer.seed * 1_000_003 + self.step * 7919 + dp,
-        )
-        self.rollout.sleep(self.cfg.rollout.sleep_level)
-        n = self.cfg.rollout.n
-        rows = [i for i in mine for _ in range(n)]
+        n, r = self.cfg.rollout.n, self.cfg.rollout
+        sampling = dict(n=n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                        seed=self.cfg.trainer.seed * 1_000_003 + self.step * 7919)  # + the replica's dp rank
+        if self.link is not None:  # the rollout pool generates; this rank's rows come back in the actor layout
+            (start, end), out = self.link.generate(
+                [self.train_ids[i] for i in indices] if self.env.is_main else None, sampling, kind="train",
+                num_prompts=len(indices), pad_token_id=self.pad_id)
+            positions = [row // n for row in range(start, end)]
+            weight = self.place.sum_weight  # rows repeat over the ranks of an actor dp group
+        else:
+            dp, dp_size = self.place.rollout_dp, self.place.rollout_dp_size
+            per_rank = len(indices) // dp_size
+            mine = list(range(dp * per_rank, (dp + 1) * per_rank))
+            self.rollout.wake_up()
+            g = self.rollout.generate([self.train_ids[indices[i]] for i in mine],
+                                      **{**sampling, "seed": sampling["seed"] + dp})
+            self.rollout.sleep(self.cfg.rollout.sleep_level)
+            out = {"response_ids": g.response_ids, "response_mask": g.response_mask, "logprobs": g.logprobs,
+                   "truncated": g.truncated}
+            positions, weight = [i for i in mine for _ in range(n)], 1.0
         batch = RolloutBatch(
-            prompts=out.prompt_ids,
+            prompts=[self.train_ids[indices[i]] for i in positions],
             tensors={
-                "response_ids": out.response_ids.cpu(),
-                "response_mask": out.response_mask.float().cpu(),
-                "rollout_logprobs": out.logprobs.float().cpu(),
-                "group_index": torch.tensor(rows, dtype=torch.long),
-                "truncated": out.truncated.cpu(),
+                "response_ids": out["response_ids"].cpu(),
+                "response_mask": out["response_mask"].float().cpu(),
+                "rollout_logprobs": out["logprobs"].float().cpu(),
+                "group_index": torch.tensor(positions, dtype=torch.long),
+                "truncated": out["truncated"].bool().cpu(),
             },
-            extras={"sample": [indices[i] for i in rows]},
+            extras={"sample": [indices[i] for i in positions]},
         )
         mp, mp_size = self.place.rollout_mp, self.place.rollout_mp_size
         if mp_size > 1:  # every rank of the replica holds these rows: keep a share
@@ -266,16 +302,22 @@ class Trainer:
         acc.add_min("response_length/min", lengths.min().item())
         for flag in batch["truncated"].tolist():
             acc.add("response_length/clip_ratio", float(flag))
-        acc.add_sum("perf/gen_tokens", lengths.sum().item())
+        acc.add_sum("perf/gen_tokens", lengths.sum().item() * weight)
+        self.row_weight = weight
         return batch
 
     def sync_weights(self) -> None:
         """Hot-swap: stream the actor's full tensors into the rollout engine (all ranks together), when
-        the rollout holds an older policy version or dropped its weights (a level-2 sleep)."""
-        if self.rollout_version == self.policy_version and not self.rollout.needs_weights:
+        the rollout holds an older policy version or dropped its weights (a level-2 sleep). With a
+        rollout pool they travel to its ranks over the collective backend (spmd_rl.rollout.pool)."""
+        stale = self.rollout_version != self.policy_version
+        if not stale and (self.link is not None or not self.rollout.needs_weights):
             return
         dtype = torch.bfloat16 if self.env.device.type == "cuda" else None
-        self.rollout.load_weights(self.actor.named_full_tensors(dtype=dtype))
+        if self.link is not None:
+            self.link.sync_weights(self.actor.named_full_tensors(dtype=dtype), self.policy_version)
+        else:
+            self.rollout.load_weights(self.actor.named_full_tensors(dtype=dtype))
         self.rollout_version = self.policy_version
 
     def score(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
@@ -290,7 +332,7 @@ class Trainer:
             acc.add("critic/score/mean", s)
         acc.add_max("critic/score/max", scores.max().item())
         acc.add_min("critic/score/min", scores.min().item())
-        acc.add_sum("reward/errors", result.num_errors)
+        acc.add_sum("reward/errors", result.num_errors * self.row_weight)
         if result.model_scores is not None:  # the two parts of critic/score: rule + weight * model
             for total, model in zip(result.scores, result.model_scores):
                 acc.add("reward/model_score/mean", model)
@@ -316,6 +358,15 @@ class Trainer:
                                                 micro_batch_size=self.cfg.ref.micro_batch_size)
         batch["ref_logprobs"] = logprobs.cpu()
 
+    def teacher_logprobs(self, batch: RolloutBatch) -> None:
+        if isinstance(self.teacher, TeacherLink):
+            logprobs = self.teacher.logprobs(batch, temperature=self.temperature,
+                                             num_rows=self.cfg.data.train_batch_size * self.cfg.rollout.n)
+        else:
+            logprobs, _ = self.teacher.compute_logprobs(batch, temperature=self.temperature,
+                                                        micro_batch_size=self.cfg.teacher.micro_batch_size)
+        batch["teacher_logprobs"] = logprobs.cpu()
+
     def advantages(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
         adv = compute_advantages(batch["scores"], batch["group_index"], batch["response_mask"], algo=self.cfg.algo)
         batch["advantages"] = adv.float()
@@ -340,13 +391,15 @@ class Trainer:
                     old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else logprobs.detach()
                     ref = micro["ref_logprobs"].to(device) if "ref_logprobs" in micro else None
                     sampled = micro["rollout_logprobs"].to(device) if cfg.algo.rollout_is != "none" else None
+                    teacher = micro["teacher_logprobs"].to(device) if "teacher_logprobs" in micro else None
                     loss, metrics = actor_objective(
                         logprobs, entropy, old_logprobs=old, advantages=micro["advantages"].to(device),
                         response_mask=mask, ref_logprobs=ref, algo=cfg.algo,
-                        global_tokens=global_tokens, global_seqs=global_seqs, rollout_logprobs=sampled)
+                        global_tokens=global_tokens, global_seqs=global_seqs, rollout_logprobs=sampled,
+                        teacher_logprobs=teacher)
                     tokens = mask.sum()
                     for key, value in metrics.items():
-                        global_part = key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy")
+                        global_part = key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/distill_kl")
                         pending.append((key, value.detach(), None if global_part else tokens))
                     return loss, metrics
 
@@ -398,6 +451,28 @@ class Trainer:
         if not self.val_samples:
             return {}
         self.sync_weights()
+        sampling = dict(n=1, temperature=self.cfg.rollout.val_temperature, top_p=1.0, top_k=0,
+                        max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)
+        if self.link is not None:  # each actor rank gets an even share of the answers, scored once
+            (start, end), out = self.link.generate(self.val_ids if self.env.is_main else None, sampling, kind="val",
+                                                   num_prompts=len(self.val_ids), pad_token_id=self.pad_id)
+            mine = list(range(start, end))
+            prompt_ids = [self.val_ids[i] for i in mine]
+            responses = [ids[mask.bool()].tolist() for ids, mask in zip(out["response_ids"], out["response_mask"])]
+        else:
+            mine, prompt_ids, responses = self._validate_colocated(sampling)
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True) if responses else []  # [] -> ['']
+        # every rank scores, also with no prompts: scoring is collective (fail_together, reward model)
+        result = self.reward([self.val_samples[i] for i in mine], texts, prompt_ids, responses)
+        results = [(float(s), float(m >= 1.0 - 1e-6)) for s, m in zip(result.scores, result.main_scores)]
+        gathered = [r for part in all_gather_objects(results, self.group) for r in part]
+        return {
+            "val/score": sum(s for s, _ in gathered) / len(gathered),
+            "val/accuracy": sum(a for _, a in gathered) / len(gathered),
+        }
+
+    def _validate_colocated(self, sampling: dict) -> tuple[list[int], list[list[int]], list[list[int]]]:
+        """This rank's validation prompts (indices, ids) and greedy answers on the colocated rollout."""
         dp, mp, mp_size = self.place.rollout_dp, self.place.rollout_mp, self.place.rollout_mp_size
         share = math.ceil(len(self.val_samples) / self.place.rollout_dp_size)
         mine = list(range(dp * share, min((dp + 1) * share, len(self.val_samples))))
@@ -405,26 +480,22 @@ class Trainer:
         prompt_ids = [self.val_ids[i] for i in mine]
         responses: list[list[int]] = []
         if mine:
-            out = self.rollout.generate(
-                prompt_ids, n=1, temperature=self.cfg.rollout.val_temperature,
-                top_p=1.0, top_k=0, max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)
+            out = self.rollout.generate(prompt_ids, **sampling)
             responses = [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)]
+        self.rollout.sleep(self.cfg.rollout.sleep_level)
         if mp_size > 1:  # the replica's ranks got the same answers: each scores a share
             part = math.ceil(len(mine) / mp_size)
             keep = range(mp * part, min((mp + 1) * part, len(mine)))
             mine, prompt_ids, responses = ([xs[i] for i in keep] for xs in (mine, prompt_ids, responses))
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True) if responses else []  # [] -> ['']
-        # every rank scores, also with no prompts: scoring is collective (fail_together, reward model)
-        result = self.reward([self.val_samples[i] for i in mine], texts, prompt_ids, responses)
-        results = [(float(s), float(m >= 1.0 - 1e-6)) for s, m in zip(result.scores, result.main_scores)]
-        self.rollout.sleep(self.cfg.rollout.sleep_level)
-        gathered = [r for part in all_gather_objects(results, self.group) for r in part]
-        return {
-            "val/score": sum(s for s, _ in gathered) / len(gathered),
-            "val/accuracy": sum(a for _, a in gathered) / len(gathered),
-        }
+        return mine, prompt_ids, responses
 
-    def close(self) -> None:
+    def close(self, error: str | None = None) -> None:
+        """End the run's resources; serving pools are told to stop (or to abort with ``error``)."""
         self.sink.close()
-        self.rollout.close()
+        if self.link is not None:
+            self.link.close(error)
+        else:
+            self.rollout.close()
+        if isinstance(self.teacher, TeacherLink):
+            self.teacher.close(error)
         self.checkpointer.close()  # releases the output folder's lock

@@ -13,7 +13,7 @@ from spmd_rl.config import (ActorConfig, Config, DataConfig, FsdpConfig, Megatro
                             RewardModelConfig, RolloutConfig)
 from spmd_rl.distributed.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
 from spmd_rl.distributed.plan import plan
-from spmd_rl.distributed.pools import PoolSpec, get_spec, member_of, plan_pools
+from spmd_rl.distributed.pools import PoolSpec, get_spec, gpu_of, member_of, plan_pools
 
 SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 
@@ -236,7 +236,7 @@ def test_megatron_partial_order_and_vpp() -> None:
 
 def test_pools_default_and_reward() -> None:
     assert plan_pools(8) == [PoolSpec("global", 0, 8)]
-    specs = plan_pools(4, 1)
+    specs = plan_pools(4, reward_ranks=1)
     assert specs == [PoolSpec("global", 0, 3), PoolSpec("reward", 3, 1)]
     g, r = specs
     assert g.contains(2) and not g.contains(3) and r.contains(3)
@@ -249,10 +249,26 @@ def test_pools_default_and_reward() -> None:
         get_spec(specs, "rollout")
 
 
+def test_pools_in_world_order() -> None:
+    """global, rollout, teacher, reward: contiguous, in that order, whichever are asked for."""
+    specs = plan_pools(16, rollout_ranks=4, teacher_ranks=2, reward_ranks=2)
+    assert specs == [PoolSpec("global", 0, 8), PoolSpec("rollout", 8, 4), PoolSpec("teacher", 12, 2),
+                     PoolSpec("reward", 14, 2)]
+    assert plan_pools(4, teacher_ranks=1) == [PoolSpec("global", 0, 3), PoolSpec("teacher", 3, 1)]
+
+
+def test_gpu_of_colocated_processes() -> None:
+    """K processes per GPU: local ranks 0..G-1 on GPUs 0..G-1, then again."""
+    assert [gpu_of(r, 8, 2) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [gpu_of(r, 4, 1) for r in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"pools\.colocate \(3\) must divide the processes per node \(8\)"):
+        gpu_of(0, 8, 3)
+
+
 @pytest.mark.parametrize(("world", "n"), [(4, 4), (4, 5), (1, 1)])
 def test_pools_reward_too_big(world: int, n: int) -> None:
     with pytest.raises(ValueError, match=rf"pools\.reward_ranks \({n}\) must be smaller than the world size \({world}\)"):
-        plan_pools(world, n)
+        plan_pools(world, reward_ranks=n)
 
 
 # --------------------------------------------------------------------------- plan
@@ -351,7 +367,7 @@ def test_plan_rollout_replica_rules() -> None:
     vllm = make_cfg(train=6, mini=6, reward=2)
     vllm.rollout.backend = "vllm"
     with pytest.raises(ValueError, match=r"rollout\.backend=vllm lays its groups over the whole world, so every rank "
-                                         r"must be in the global pool: set --pools\.reward-ranks 0 \(got 2\)"):
+                                         r"must be in the global pool \(pools\.reward_ranks=2\): set --pools\.reward-ranks 0"):
         plan(vllm, 8)
 
 

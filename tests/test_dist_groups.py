@@ -64,7 +64,7 @@ def check_groups(name: str, lay: RolloutLayout | MegatronLayout, start: int, ran
 
 
 def check_pools(world_size: int, reward_ranks: int, rank: int) -> Pools:
-    specs = plan_pools(world_size, reward_ranks)
+    specs = plan_pools(world_size, reward_ranks=reward_ranks)
     pools = Pools.build(specs)
     assert pools.names == [s.name for s in specs]
     for s in specs:

@@ -26,11 +26,29 @@ RULES = [
     (["--pools.reward-ranks", "1"], 2,
      "pools.reward_ranks=1 makes a reward pool, but reward.model.path is not set, so it would serve nothing"),
     (["--actor.engine", "megatron", "--pools.reward-ranks", "1", *RM], 2,
-     "actor.engine=megatron builds its groups over the whole world, so it cannot run with a separate reward pool "
-     "(pools.reward_ranks=1): set --pools.reward-ranks 0"),
+     "actor.engine=megatron builds its groups over the whole world, so it cannot run next to pools of other roles "
+     "(pools.reward_ranks=1): set --pools.reward-ranks 0 (those roles then run colocated) or use --actor.engine fsdp"),
     (["--rollout.backend", "vllm", "--pools.reward-ranks", "1", *RM], 2,
-     "rollout.backend=vllm lays its groups over the whole world, so every rank must be in the global pool: "
-     "set --pools.reward-ranks 0 (got 1)"),
+     "rollout.backend=vllm lays its groups over the whole world, so every rank must be in the global pool "
+     "(pools.reward_ranks=1): set --pools.reward-ranks 0 or use --rollout.backend native"),
+    (["--rollout.backend", "vllm", "--pools.rollout-ranks", "2"], 4,
+     "rollout.backend=vllm lays its groups over the whole world, so every rank must be in the global pool "
+     "(pools.rollout_ranks=2): set --pools.rollout-ranks 0"),
+    (["--pools.rollout-ranks", "2", "--pools.reward-ranks", "2", *RM], 4,
+     "pools.rollout_ranks (2) + pools.reward_ranks (2) = 4 must be smaller than the world size (4): the global pool "
+     "(actor and reference) needs at least one rank"),
+    (["--pools.teacher-ranks", "1"], 2,
+     "pools.teacher_ranks=1 makes a teacher pool, but teacher.model.path is not set, so it would serve nothing"),
+    (["--algo.distill-coef", "0.1"], 1,
+     "algo.distill_coef=0.1 distills from a teacher, but teacher.model.path is not set"),
+    (["--teacher.model.path", "tiny-random"], 1,
+     "teacher.model.path=tiny-random is set but algo.distill_coef is 0, so the teacher would score for nothing"),
+    (["--teacher.model.path", "tiny-random", "--algo.distill-coef", "0.1", "--actor.engine", "megatron"], 1,
+     "a colocated teacher runs under FSDP on the actor's mesh, which actor.engine=megatron does not build: give it "
+     "ranks of its own (--pools.teacher-ranks N) or use --actor.engine fsdp"),
+    (["--pools.rollout-ranks", "3", "--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "8"], 4,
+     "data.train_batch_size (8) must be divisible by the rollout data-parallel size (3) = rollout pool size (3) / "
+     "(rollout.tp (1) * rollout.pp (1))"),
     (["--actor.engine", "megatron", "--actor.use-packing"], 1,
      "actor.use_packing apply to actor.engine=fsdp only; unset them for actor.engine=megatron"),
     (["--actor.engine", "megatron", "--actor.max-tokens-per-gpu", "4096", "--actor.fsdp.ulysses-size", "2"], 2,
@@ -59,6 +77,13 @@ RULES = [
      "rollout.n=1 makes every prompt's group a single response, so algo.adv_estimator=grpo has nothing to compare "
      "it with: its advantage is the raw score, with no baseline; use --rollout.n 2 or more, or "
      "--algo.adv-estimator reinforce_pp_baseline"),
+    (["--pools.colocate", "3"], 4, "pools.colocate (3) must divide the processes per node (4)"),
+    (["--pools.rollout-ranks", "1", "--pools.colocate", "2"], 4,
+     "pool 'global' has global ranks 0 and 2 on GPU 0 of node 0: with pools.colocate=2 (2 GPUs per node), a "
+     "pool's ranks must sit on different GPUs"),
+    (["--pools.rollout-ranks", "4", "--pools.reward-ranks", "2", *RM, "--pools.colocate", "2"], 8,
+     "rollout rank 2 is on GPU 2 of node 0, where no actor rank runs: with pools.colocate=2 a rollout process takes "
+     "its weights from the actor process on its GPU"),
     (["--rollout.n", "1", "--algo.adv-estimator", "rloo"], 1, "rollout.n=1 makes every prompt's group a single "
      "response, so algo.adv_estimator=rloo has nothing to compare it with"),
 ]

@@ -28,6 +28,12 @@ ADVANTAGE_ESTIMATORS = {
     "reinforce_pp_baseline": adv_lib.reinforce_pp_baseline,
 }
 
+POLICY_LOSSES = {
+    "ppo_clip": losses.ppo_clip,
+    "gspo": losses.gspo,
+    "cispo": losses.cispo,
+}
+
 
 def compute_advantages(scores: torch.Tensor, group_index: torch.Tensor, response_mask: torch.Tensor, *,
                        algo: AlgoConfig) -> torch.Tensor:
@@ -50,13 +56,17 @@ def actor_objective(
     global_tokens: float,
     global_seqs: float,
     rollout_logprobs: torch.Tensor | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``rollout_logprobs``: the sampling engine's log-probs, needed when ``algo.rollout_is`` is on
     (the policy loss is then weighted per token by :func:`losses.truncated_is_weights` of
-    ``old_logprobs``, which must be the trainer's own log-probs of the sampling policy)."""
+    ``old_logprobs``, which must be the trainer's own log-probs of the sampling policy).
+    ``teacher_logprobs``: a teacher's log-probs of the sampled tokens; with ``algo.distill_coef`` > 0
+    the loss adds that coefficient times the reverse KL(actor || teacher) per token, estimated on the
+    actor's own samples with the low-variance k3 estimator (``actor/distill_kl``)."""
     counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
-    policy = losses.gspo if algo.policy_loss == "gspo" else losses.ppo_clip
-    extra = {} if algo.policy_loss == "gspo" else {"clip_c": algo.clip_c}
+    policy = POLICY_LOSSES[algo.policy_loss]
+    extra = {"clip_c": algo.clip_c} if algo.policy_loss == "ppo_clip" else {}
     is_metrics: dict[str, torch.Tensor] = {}
     if algo.rollout_is == "token_truncated":
         if rollout_logprobs is None:
@@ -78,6 +88,11 @@ def actor_objective(
         kl_loss = losses.aggregate(kl, response_mask, algo.loss_agg_mode, **counts)
         loss = loss + algo.kl_coef * kl_loss
         metrics["actor/kl_loss"] = kl_loss.detach()
+    if teacher_logprobs is not None and algo.distill_coef > 0:
+        distill = losses.aggregate(losses.kl_penalty(logprobs, teacher_logprobs, "k3"), response_mask,
+                                   algo.loss_agg_mode, **counts)
+        loss = loss + algo.distill_coef * distill
+        metrics["actor/distill_kl"] = distill.detach()
     if entropy is not None:
         ent = losses.aggregate(entropy, response_mask, algo.loss_agg_mode, **counts)
         if algo.entropy_coef > 0:

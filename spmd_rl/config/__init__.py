@@ -17,12 +17,12 @@ from .engines import ActorConfig, FsdpConfig, MegatronConfig, RefConfig
 from .loading import from_yaml, load_config, split_config_flag, to_dict, to_yaml
 from .sections import (
     AlgoConfig, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, PoolsConfig, RewardConfig,
-    RewardModelConfig, RolloutConfig, TrainerConfig,
+    RewardModelConfig, RolloutConfig, TeacherConfig, TeacherModelConfig, TrainerConfig,
 )
 
 __all__ = [
     "ActorConfig", "AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "FsdpConfig",
     "LoggingConfig", "MegatronConfig", "ModelConfig", "PoolsConfig", "RefConfig", "RewardConfig",
-    "RewardModelConfig", "RolloutConfig", "TrainerConfig", "from_yaml", "load_config", "split_config_flag",
+    "RewardModelConfig", "RolloutConfig", "TeacherConfig", "TeacherModelConfig", "TrainerConfig", "from_yaml", "load_config", "split_config_flag",
     "to_dict", "to_yaml", "validate",
 ]

@@ -115,6 +115,10 @@ class RolloutConfig:
     graphs (1) or the KV cache and the weights (2)."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory it may take."""
+    gpu_memory_fraction: float = 0.0
+    """With `pools.colocate` > 1: the share of its GPU's memory a rollout-pool process may allocate
+    (0 = an equal share, 1 / pools.colocate); the processes of the other pools on that GPU share the
+    rest equally. Checked at start against the sum on each GPU."""
     max_model_len: int | None = None
     """vLLM: context length; None = max prompt length + max new tokens."""
     val_temperature: float = 0.0
@@ -128,6 +132,8 @@ class RolloutConfig:
         _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.batch_size >= 1, f"rollout.batch_size must be >= 1, got {self.batch_size}")
         _check(self.tp >= 1 and self.pp >= 1, f"rollout.tp ({self.tp}) and rollout.pp ({self.pp}) must be >= 1")
+        _check(0 <= self.gpu_memory_fraction < 1,
+               f"rollout.gpu_memory_fraction must be in [0, 1) (0 = automatic), got {self.gpu_memory_fraction}")
         _check(
             0 < self.gpu_memory_utilization <= 1,
             f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
@@ -140,8 +146,9 @@ class AlgoConfig:
     """How scores become advantages (all within a prompt's group of `rollout.n`)."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's standard deviation (off = Dr. GRPO)."""
-    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
-    """Token-level PPO clip objective, or GSPO's sequence-level ratio."""
+    policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    """Token-level PPO clip objective (with dual clip `algo.clip_c`), GSPO's sequence-level ratio, or
+    CISPO (REINFORCE weighted by the detached ratio clipped to [1 - clip_low, 1 + clip_high]; no token dropped)."""
     clip_low: float = 0.2
     """Lower clip range of the ratio (1 - clip_low)."""
     clip_high: float = 0.2
@@ -164,6 +171,9 @@ class AlgoConfig:
     old = the trainer's own log-probs of the sampling policy (their forward then runs every step)."""
     rollout_is_cap: float = 2.0
     """Upper bound of the truncated importance weight (`algo.rollout_is=token_truncated`)."""
+    distill_coef: float = 0.0
+    """On-policy distillation: add this times the per-token reverse KL to the teacher
+    (`teacher.model.path`) on the sampled tokens to the objective (0 = off). Logged as `actor/distill_kl`."""
 
     def __post_init__(self) -> None:
         _check(self.clip_low >= 0 and self.clip_high >= 0, f"algo.clip_low ({self.clip_low}) and algo.clip_high ({self.clip_high}) must be >= 0")
@@ -171,6 +181,7 @@ class AlgoConfig:
                                   f"which must stay > 0), got {self.clip_low}")
         _check(self.clip_c > 1, f"algo.clip_c must be > 1, got {self.clip_c}")
         _check(self.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {self.kl_coef}")
+        _check(self.distill_coef >= 0, f"algo.distill_coef must be >= 0, got {self.distill_coef}")
         _check(self.rollout_is_cap >= 1, f"algo.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
 
 
@@ -229,12 +240,47 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class PoolsConfig:
+    rollout_ranks: int = 0
+    """Give the rollout N ranks of its own (a `rollout` pool after the global one), with its own layout:
+    `rollout.tp` x `rollout.pp` x the rollout data-parallel size factorise THAT pool (0 = the rollout runs
+    colocated on the actor's ranks and takes turns with it). Weights reach it after every update over
+    the collective backend, never through disk."""
+    teacher_ranks: int = 0
+    """Give the teacher (`teacher.model.path`) N ranks of its own (a `teacher` pool; 0 = colocated on
+    the actor's ranks when a teacher is configured)."""
     reward_ranks: int = 0
     """Put the last N ranks of the world in their own `reward` pool, serving `reward.model.path`
     (0 = all colocated). Its ranks wait for each step's responses at most `trainer.dist_timeout_s`."""
+    colocate: int = 1
+    """Processes per GPU. A job of G GPUs per node starts colocate x G processes per node; the first G
+    local ranks use GPUs 0..G-1, the next G GPUs 0..G-1 again, and so on, so that pools listed one
+    after another share GPUs. Each process's memory is capped at its pool's share (`rollout.gpu_memory_fraction`)."""
 
     def __post_init__(self) -> None:
-        _check(self.reward_ranks >= 0, f"pools.reward_ranks must be >= 0, got {self.reward_ranks}")
+        for name in ("rollout_ranks", "teacher_ranks", "reward_ranks"):
+            _check(getattr(self, name) >= 0, f"pools.{name} must be >= 0, got {getattr(self, name)}")
+        _check(self.colocate >= 1, f"pools.colocate must be >= 1, got {self.colocate}")
+
+
+@dataclass(kw_only=True)
+class TeacherModelConfig:
+    path: str | None = None
+    """Teacher model for on-policy distillation: a Hugging Face folder, a local `.gguf` file or a built-in
+    name (None = no teacher). It must share the student's tokenizer."""
+    trust_remote_code: bool = False
+    """Allow custom modeling code from the teacher's folder."""
+
+
+@dataclass(kw_only=True)
+class TeacherConfig:
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    micro_batch_size: int = 16
+    """Sequences per teacher forward."""
+    param_offload: bool = False
+    """Keep the teacher's parameters on the CPU between steps (colocated teacher)."""
+
+    def __post_init__(self) -> None:
+        _check(self.micro_batch_size >= 1, f"teacher.micro_batch_size must be >= 1, got {self.micro_batch_size}")
 
 
 @dataclass(kw_only=True)
@@ -319,6 +365,7 @@ class Config:
     ref: RefConfig = field(default_factory=RefConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

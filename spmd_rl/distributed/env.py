@@ -28,6 +28,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from spmd_rl.distributed.pools import gpu_of
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 29500
@@ -81,6 +83,8 @@ class DistEnv:
     """`torchrun`, `slurm` or `single`."""
     hostname: str = field(default_factory=socket.gethostname)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    colocate: int = 1
+    """Processes per GPU (``pools.colocate``), set by :meth:`init`."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -129,23 +133,31 @@ class DistEnv:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def pick_device(self, device: str = "auto") -> torch.device:
+    def pick_device(self, device: str = "auto", colocate: int = 1) -> torch.device:
+        """``cuda:<gpu>`` with ``gpu = local_rank % (local world size / colocate)`` (``colocate``
+        processes per GPU, :func:`spmd_rl.distributed.pools.gpu_of`) on GPU machines, else the CPU."""
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("trainer.device=cuda but torch sees no CUDA device; use --trainer.device cpu")
         if device in ("auto", "cuda") and torch.cuda.is_available():
             count = torch.cuda.device_count()
-            if self.local_rank >= count:
+            gpu = gpu_of(self.local_rank, self.local_world_size, colocate)
+            if gpu >= count:
                 raise ValueError(
-                    f"LOCAL_RANK {self.local_rank} has no GPU: this node shows {count} CUDA device(s); "
-                    f"start at most {count} processes per node (--nproc-per-node)"
+                    f"LOCAL_RANK {self.local_rank} has no GPU: this node shows {count} CUDA device(s); start at "
+                    f"most {count} x pools.colocate ({colocate}) processes per node (--nproc-per-node)"
                 )
-            torch.cuda.set_device(self.local_rank)
-            return torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(gpu)
+            return torch.device("cuda", gpu)
         return torch.device("cpu")
 
-    def init(self, *, device: str = "auto", timeout_s: int = 1800) -> "DistEnv":
-        """Pick the device and join the world's default process group (also for a world of one)."""
-        self.device = self.pick_device(device)
+    def init(self, *, device: str = "auto", timeout_s: int = 1800, colocate: int = 1) -> "DistEnv":
+        """Pick the device and join the world's default process group (also for a world of one).
+
+        With ``colocate`` > 1 several processes share a GPU, which one NCCL communicator cannot
+        hold: the world's NCCL side is then never initialised eagerly, and only groups whose ranks
+        sit on different GPUs (each pool's own) carry device tensors."""
+        self.colocate = colocate
+        self.device = self.pick_device(device, colocate)
         if dist.is_initialized():
             return self
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
@@ -163,7 +175,7 @@ class DistEnv:
             rank=self.rank,
             world_size=self.world_size,
             timeout=timeout,
-            device_id=self.device if self.device.type == "cuda" else None,
+            device_id=self.device if self.device.type == "cuda" and colocate == 1 else None,
         )
         return self
 

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from spmd_rl.distributed.dims import ActorLayout, FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
-from spmd_rl.distributed.pools import REWARD, PoolSpec, get_spec, member_of, plan_pools
+from spmd_rl.distributed.pools import (
+    GLOBAL, REWARD, ROLLOUT, TEACHER, PoolSpec, get_spec, gpu_of, gpus_per_node, member_of, plan_pools,
+)
 from spmd_rl.engine import ENGINES, engine_spec
 from spmd_rl.rollout import backend_spec
 
@@ -47,11 +49,19 @@ class Plan:
     """Names of the layouts that belong to the engine in use (``("fsdp", "ulysses")`` / ``("megatron",)``)."""
     layouts_by_name: dict[str, Any] = field(hash=False, repr=False)
     rollout: RolloutLayout
+    """The rollout engine's layout over its pool (``rollout_pool``)."""
     reward_fsdp: FsdpLayout | None
+    teacher_fsdp: FsdpLayout | None
+    """The teacher's FSDP layout over its own pool (``pools.teacher_ranks`` > 0), else None."""
     rollout_prompts_per_replica: int
     """data.train_batch_size / rollout dp size: prompts each rollout model replica generates for."""
     actor_prompts_per_mini_batch: int
     """actor.ppo_mini_batch_size / actor dp size: prompts per actor dp rank in one mini-batch."""
+    colocate: int = 1
+    """Processes per GPU (``pools.colocate``)."""
+    memory_fractions: dict[str, float] = field(default_factory=dict, hash=False)
+    """Per pool: the share of its GPU's memory each of its processes may allocate (only with
+    ``pools.colocate`` > 1; empty otherwise: no cap)."""
     unavailable: dict[str, str] = field(default_factory=dict, hash=False)
     warnings: tuple[str, ...] = ()
     """What is valid now but will fail where the run starts (e.g. a missing library)."""
@@ -88,6 +98,15 @@ class Plan:
         return self.rollout.dp_size
 
     @property
+    def rollout_pool(self) -> PoolSpec:
+        """The pool the rollout runs on: its own (``pools.rollout_ranks`` > 0) or the global one."""
+        return self.pool_optional(ROLLOUT) or self.global_pool
+
+    @property
+    def rollout_separate(self) -> bool:
+        return self.pool_optional(ROLLOUT) is not None
+
+    @property
     def global_pool(self) -> PoolSpec:
         return self.pools[0]
 
@@ -110,17 +129,26 @@ class Plan:
         return None if self.nproc_per_node is None else rank // self.nproc_per_node
 
     def local_rank(self, rank: int) -> int | None:
-        """Rank within its node (the GPU index), None when nproc_per_node is unknown."""
+        """Rank within its node, None when nproc_per_node is unknown."""
         return None if self.nproc_per_node is None else rank % self.nproc_per_node
+
+    def gpu(self, rank: int) -> int | None:
+        """The GPU index on its node of global ``rank`` (``pools.colocate`` processes per GPU), None
+        when nproc_per_node is unknown."""
+        local = self.local_rank(rank)
+        return None if local is None else gpu_of(local, self.nproc_per_node, self.colocate)  # type: ignore[arg-type]
 
     def layouts(self) -> dict[str, tuple[PoolSpec, Any]]:
         """Available layouts by mesh name (``fsdp``, ``ulysses``, ``megatron``, ``rollout``,
         ``reward.fsdp``) with the pool each lives in."""
         g = self.global_pool
         out: dict[str, tuple[PoolSpec, Any]] = {}
-        for name, lay in (*self.layouts_by_name.items(), ("rollout", self.rollout)):
+        for name, lay in self.layouts_by_name.items():
             if lay is not None:
                 out[name] = (g, lay)
+        out["rollout"] = (self.rollout_pool, self.rollout)
+        if self.teacher_fsdp is not None:
+            out[f"{TEACHER}.fsdp"] = (self.pool(TEACHER), self.teacher_fsdp)
         if self.reward_fsdp is not None:
             out[f"{REWARD}.fsdp"] = (self.pool(REWARD), self.reward_fsdp)
         return out
@@ -139,7 +167,9 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
             f"nproc_per_node ({nproc_per_node}) must be >= 1 and divide the world size ({world_size})"
         )
     _check_sections(cfg)
-    specs = plan_pools(world_size, cfg.pools.reward_ranks)
+    pools = cfg.pools
+    specs = plan_pools(world_size, rollout_ranks=pools.rollout_ranks, teacher_ranks=pools.teacher_ranks,
+                       reward_ranks=pools.reward_ranks)
     g = specs[0]
     engine, backend = engine_spec(cfg.actor.engine), backend_spec(cfg.rollout.backend)
     unavailable: dict[str, str] = {}
@@ -153,11 +183,16 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
             layouts.update({mesh: None for mesh in spec.meshes})
             unavailable.update({mesh: str(e) for mesh in spec.meshes})
     actor: ActorLayout = layouts[engine.batch_layout]
-    rollout = RolloutLayout(g.size, cfg.rollout.tp, cfg.rollout.pp)
-    reward = specs[1] if len(specs) > 1 else None
+    by_name = {s.name: s for s in specs}
+    rollout_pool = by_name.get(ROLLOUT, g)
+    rollout = RolloutLayout(rollout_pool.size, cfg.rollout.tp, cfg.rollout.pp, pool=rollout_pool.name)
+    reward, teacher = by_name.get(REWARD), by_name.get(TEACHER)
     reward_fsdp = FsdpLayout(reward.size, -1, pool=REWARD) if reward else None
+    teacher_fsdp = FsdpLayout(teacher.size, -1, pool=TEACHER) if teacher else None
 
-    _check_pools(cfg, reward=reward, engine_whole_world=engine.whole_world, backend_whole_world=backend.whole_world)
+    _check_pools(cfg, by_name, engine_whole_world=engine.whole_world, backend_whole_world=backend.whole_world)
+    _check_teacher(cfg, separate=teacher is not None, engine_meshes=engine.meshes)
+    fractions = _memory_fractions(cfg, specs, world_size, nproc_per_node)
     ignored = engine.ignored_flags(cfg.actor)
     if ignored:
         raise ValueError(f"{', '.join(ignored)} apply to actor.engine=fsdp only; unset them for "
@@ -174,7 +209,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
     if tb % rdp:
         raise ValueError(
             f"data.train_batch_size ({tb}) must be divisible by the rollout data-parallel size ({rdp}) = "
-            f"global pool size ({g.size}) / (rollout.tp ({rollout.tp}) * rollout.pp ({rollout.pp})), "
+            f"{rollout_pool.name} pool size ({rollout_pool.size}) / (rollout.tp ({rollout.tp}) * rollout.pp ({rollout.pp})), "
             f"so every rollout replica gets the same number of prompts"
         )
     adp = actor.dp_size
@@ -196,7 +231,8 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
     return Plan(
         world_size=world_size, nproc_per_node=nproc_per_node, engine=cfg.actor.engine, pools=tuple(specs),
         actor=actor, actor_meshes=engine.meshes, layouts_by_name=layouts, rollout=rollout,
-        reward_fsdp=reward_fsdp, rollout_prompts_per_replica=tb // rdp, actor_prompts_per_mini_batch=mb // adp,
+        reward_fsdp=reward_fsdp, teacher_fsdp=teacher_fsdp, rollout_prompts_per_replica=tb // rdp,
+        actor_prompts_per_mini_batch=mb // adp, colocate=pools.colocate, memory_fractions=fractions,
         unavailable=unavailable, warnings=tuple(engine.warnings(cfg.actor)),
     )
 
@@ -224,22 +260,84 @@ def _check_sections(cfg: Config) -> None:
             f"({cfg.rollout.max_new_tokens}) = {longest}, the longest sequence")
 
 
-def _check_pools(cfg: Config, *, reward: PoolSpec | None, engine_whole_world: bool, backend_whole_world: bool) -> None:
+def _check_pools(cfg: Config, pools: dict[str, PoolSpec], *, engine_whole_world: bool,
+                 backend_whole_world: bool) -> None:
     """Which roles may have pools of their own."""
-    if reward is None:
-        return
-    if cfg.reward.model.path is None:
+    own = {name: spec for name, spec in pools.items() if name != GLOBAL}
+    if REWARD in own and cfg.reward.model.path is None:
         raise ValueError(f"pools.reward_ranks={cfg.pools.reward_ranks} makes a reward pool, but reward.model.path "
                          "is not set, so it would serve nothing: set --reward.model.path or --pools.reward_ranks 0")
+    if TEACHER in own and cfg.teacher.model.path is None:
+        raise ValueError(f"pools.teacher_ranks={cfg.pools.teacher_ranks} makes a teacher pool, but teacher.model.path "
+                         "is not set, so it would serve nothing: set --teacher.model.path or --pools.teacher-ranks 0")
+    if not own:
+        return
+    flags = ", ".join(f"pools.{name}_ranks={spec.size}" for name, spec in own.items())
+    resets = " ".join(f"--pools.{name}-ranks 0" for name in own)
     if engine_whole_world:
         raise ValueError(
-            f"actor.engine={cfg.actor.engine} builds its groups over the whole world, so it cannot run with a "
-            f"separate reward pool (pools.reward_ranks={cfg.pools.reward_ranks}): set --pools.reward-ranks 0 "
-            f"(the reward model then runs colocated)")
+            f"actor.engine={cfg.actor.engine} builds its groups over the whole world, so it cannot run next to pools "
+            f"of other roles ({flags}): set {resets} (those roles then run colocated) or use --actor.engine fsdp")
     if backend_whole_world:
         raise ValueError(
             f"rollout.backend={cfg.rollout.backend} lays its groups over the whole world, so every rank must be in "
-            f"the global pool: set --pools.reward-ranks 0 (got {cfg.pools.reward_ranks}) or use --rollout.backend native")
+            f"the global pool ({flags}): set {resets} or use --rollout.backend native")
+
+
+def _check_teacher(cfg: Config, *, separate: bool, engine_meshes: tuple[str, ...]) -> None:
+    """A teacher needs a use, and a colocated one the FSDP mesh it shares with the actor."""
+    has_teacher, coef = cfg.teacher.model.path is not None, cfg.algo.distill_coef
+    if coef > 0 and not has_teacher:
+        raise ValueError(f"algo.distill_coef={coef} distills from a teacher, but teacher.model.path is not set: "
+                         f"set --teacher.model.path or --algo.distill-coef 0")
+    if has_teacher and coef == 0:
+        raise ValueError(f"teacher.model.path={cfg.teacher.model.path} is set but algo.distill_coef is 0, so the "
+                         f"teacher would score for nothing: set --algo.distill-coef (e.g. 0.1) or unset the teacher")
+    if has_teacher and not separate and "fsdp" not in engine_meshes:
+        raise ValueError(f"a colocated teacher runs under FSDP on the actor's mesh, which actor.engine="
+                         f"{cfg.actor.engine} does not build: give it ranks of its own (--pools.teacher-ranks N) "
+                         f"or use --actor.engine fsdp")
+
+
+def _memory_fractions(cfg: Config, specs: list[PoolSpec], world_size: int,
+                      nproc_per_node: int | None) -> dict[str, float]:
+    """Each pool's share of a GPU with ``pools.colocate`` > 1, checked so that the processes of one
+    GPU never need more than all of it, and so that no two ranks of one pool share a GPU (NCCL
+    puts one rank per device in a communicator)."""
+    k = cfg.pools.colocate
+    per_node = nproc_per_node if nproc_per_node is not None else world_size
+    gpus = gpus_per_node(per_node, k)
+    if k == 1:
+        return {}
+    rollout_share = cfg.rollout.gpu_memory_fraction  # < 1 (its own check): the others keep a share
+    fractions: dict[str, float] = {}
+    users: dict[tuple[int, int], list[tuple[str, int]]] = {}  # (node, gpu) -> [(pool, rank)]
+    for spec in specs:
+        for r in spec.ranks:
+            users.setdefault((r // per_node, gpu_of(r % per_node, per_node, k)), []).append((spec.name, r))
+    for (node, gpu), procs in users.items():
+        seen: dict[str, int] = {}
+        for name, r in procs:
+            if name in seen:
+                raise ValueError(
+                    f"pool {name!r} has global ranks {seen[name]} and {r} on GPU {gpu} of node {node}: with "
+                    f"pools.colocate={k} ({gpus} GPUs per node), a pool's ranks must sit on different GPUs, so make "
+                    f"each pool's size (and where it starts) a multiple of {gpus}")
+            seen[name] = r
+        if ROLLOUT in seen and GLOBAL not in seen:
+            raise ValueError(
+                f"rollout rank {seen[ROLLOUT]} is on GPU {gpu} of node {node}, where no actor rank runs: with "
+                f"pools.colocate={k} a rollout process takes its weights from the actor process on its GPU "
+                f"(CUDA IPC), so the global pool must cover the rollout pool's GPUs")
+    for procs in users.values():  # every GPU runs k processes, at most one per pool
+        names = [name for name, _ in procs]
+        if rollout_share > 0 and ROLLOUT in names and len(names) > 1:
+            shares = {n: rollout_share if n == ROLLOUT else (1.0 - rollout_share) / (len(names) - 1) for n in names}
+        else:
+            shares = {n: 1.0 / len(names) for n in names}
+        for name, share in shares.items():
+            fractions[name] = min(fractions.get(name, 1.0), share)
+    return fractions
 
 
 __all__ = ["Plan", "plan"]

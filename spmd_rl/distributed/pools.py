@@ -2,8 +2,8 @@
 
 The pure part plans the pools for any world size, with no process group::
 
-    specs = plan_pools(world_size=4, reward_ranks=1)
-    # [PoolSpec(name='global', start=0, size=3), PoolSpec(name='reward', start=3, size=1)]
+    specs = plan_pools(world_size=8, rollout_ranks=4, reward_ranks=1)
+    # [PoolSpec('global', start=0, size=3), PoolSpec('rollout', 3, 4), PoolSpec('reward', 7, 1)]
     specs[1].local_rank(3)   # 0: pool-local ranks run 0..size-1
 
 After ``torch.distributed`` is initialised, every rank of the world builds all pools together
@@ -15,8 +15,10 @@ After ``torch.distributed`` is initialised, every rank of the world builds all p
     pools.get_optional("reward")        # None when the run has no reward pool
 
 By default there is one ``global`` pool holding every rank, shared (colocated) by actor,
-reference and rollout. ``pools.reward_ranks=N`` moves the last N ranks into a ``reward`` pool.
-Pools never overlap.
+reference, rollout and teacher. ``pools.rollout_ranks``, ``pools.teacher_ranks`` and
+``pools.reward_ranks`` give those roles ranks of their own, in that order after the global pool.
+Pools never overlap. Which GPU a rank uses (several processes per GPU with ``pools.colocate``) is
+:func:`gpu_of`.
 
 ``build_mesh`` / ``build_groups`` create a DeviceMesh or process groups over a range of global
 ranks; the layouts of :mod:`spmd_rl.distributed.dims` use them in their ``build()``.
@@ -34,7 +36,11 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 GLOBAL = "global"
+ROLLOUT = "rollout"
+TEACHER = "teacher"
 REWARD = "reward"
+POOL_ORDER = (GLOBAL, ROLLOUT, TEACHER, REWARD)
+"""Pools in world order: each is a contiguous range of global ranks after the one before."""
 
 
 @dataclass(frozen=True)
@@ -77,21 +83,42 @@ class PoolSpec:
         return self.start + local_rank
 
 
-def plan_pools(world_size: int, reward_ranks: int = 0) -> list[PoolSpec]:
-    """Carve the world: ``global`` takes the first ranks, ``reward`` (if any) the last ``reward_ranks``."""
+def plan_pools(world_size: int, *, rollout_ranks: int = 0, teacher_ranks: int = 0,
+               reward_ranks: int = 0) -> list[PoolSpec]:
+    """Carve the world into contiguous pools, in the order ``global``, ``rollout``, ``teacher``,
+    ``reward``: each named role with a positive size gets that many ranks, ``global`` the rest."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
-    if reward_ranks < 0:
-        raise ValueError(f"pools.reward_ranks must be >= 0, got {reward_ranks}")
-    if reward_ranks >= world_size:
-        raise ValueError(
-            f"pools.reward_ranks ({reward_ranks}) must be smaller than the world size ({world_size}): "
-            f"the global pool needs at least one rank"
-        )
-    specs = [PoolSpec(GLOBAL, 0, world_size - reward_ranks)]
-    if reward_ranks:
-        specs.append(PoolSpec(REWARD, world_size - reward_ranks, reward_ranks))
+    sizes = {ROLLOUT: rollout_ranks, TEACHER: teacher_ranks, REWARD: reward_ranks}
+    for name, n in sizes.items():
+        if n < 0:
+            raise ValueError(f"pools.{name}_ranks must be >= 0, got {n}")
+    own = sum(sizes.values())
+    if own >= world_size:
+        terms = [f"pools.{name}_ranks ({n})" for name, n in sizes.items() if n]
+        parts = terms[0] if len(terms) == 1 else f"{' + '.join(terms)} = {own}"
+        raise ValueError(f"{parts} must be smaller than the world size ({world_size}): the global pool "
+                         f"(actor and reference) needs at least one rank")
+    specs = [PoolSpec(GLOBAL, 0, world_size - own)]
+    for name, n in sizes.items():
+        if n:
+            specs.append(PoolSpec(name, specs[-1].end, n))
     return specs
+
+
+def gpus_per_node(nproc_per_node: int, colocate: int) -> int:
+    """GPUs a node uses when it runs ``nproc_per_node`` processes, ``colocate`` per GPU."""
+    if colocate < 1 or nproc_per_node % colocate:
+        raise ValueError(f"pools.colocate ({colocate}) must divide the processes per node ({nproc_per_node}): "
+                         f"each GPU runs colocate processes")
+    return nproc_per_node // colocate
+
+
+def gpu_of(local_rank: int, nproc_per_node: int, colocate: int = 1) -> int:
+    """The GPU index of a process on its node: local ranks ``0..G-1`` use GPUs ``0..G-1``, the next
+    G ranks GPUs ``0..G-1`` again, and so on (``G = nproc_per_node / colocate``), so that pools that
+    follow each other in the world share GPUs."""
+    return local_rank % gpus_per_node(nproc_per_node, colocate)
 
 
 def member_of(specs: Sequence[PoolSpec], rank: int) -> list[str]:
@@ -238,5 +265,5 @@ def build_groups(groups: dict[str, list[list[int]]], start: int, timeout: timede
 
 
 __all__ = [
-    "GLOBAL", "REWARD", "Pool", "PoolSpec", "Pools", "build_groups", "build_mesh", "get_spec", "member_of", "plan_pools",
+    "GLOBAL", "POOL_ORDER", "REWARD", "ROLLOUT", "TEACHER", "Pool", "PoolSpec", "Pools", "build_groups", "build_mesh", "get_spec", "gpu_of", "gpus_per_node", "member_of", "plan_pools",
 ]

@@ -2,13 +2,15 @@
 
     run_plan = plan(cfg, env.world_size, env.local_world_size)     # spmd_rl.distributed.plan
     groups = build_run_groups(run_plan, env, close_timeout_s=60)   # collective over the whole world
-    if groups.in_reward_pool: ... RewardServer ...           # spmd_rl.train dispatches here
-    else: Trainer(cfg, env, groups=groups)
+    groups.role       # "trainer" (global pool), "rollout", "teacher" or "reward": spmd_rl.train dispatches
+    Trainer(cfg, env, groups=groups)                               # on the global pool
 
 Creating a process group or a DeviceMesh is collective over the WHOLE world, even for a pool that
 is a subset of it, so every rank creates every pool's groups and meshes here, in one order, before
-the global and reward ranks run different loops. The rank table is gathered here too (every rank
-contributes its host and device), so it covers the reward ranks.
+the pools run different loops: the actor's meshes, the reward and teacher pools' FSDP meshes, the
+weight bridges from the actor to a rollout pool, and the links between the actor pool and each
+serving pool. The rank table is gathered here too (every rank contributes its host and device), so
+it covers every pool.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from spmd_rl.distributed.bridge import WeightBridge
 from spmd_rl.distributed.comm import PoolExchange
 from spmd_rl.distributed.env import DistEnv, gather_rank_table
-from spmd_rl.distributed.pools import GLOBAL, REWARD, Pools
+from spmd_rl.distributed.pools import GLOBAL, REWARD, ROLLOUT, TEACHER, Pools
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
+    from spmd_rl.distill import TeacherLink
     from spmd_rl.distributed.plan import Plan
+    from spmd_rl.rollout.pool import RolloutLink
 
 
 @dataclass
@@ -43,11 +48,39 @@ class RunGroups:
     """Global pool (clients) <-> reward pool (servers); None without a reward pool."""
     sp_group: ProcessGroup | None = None
     """This rank's Ulysses sequence-parallel group (``actor.fsdp.ulysses_size`` > 1), else None."""
+    weight_bridge: WeightBridge | None = None
+    """This rank's end of the actor -> rollout weight transfer (separate rollout pool): on the
+    rollout ranks and the actor ranks that send; None elsewhere."""
+    teacher_mesh: DeviceMesh | None = None
+    """The teacher's FSDP mesh over the teacher pool (``pools.teacher_ranks`` > 0), on its ranks."""
+    rollout_link: RolloutLink | None = None
+    """The actor pool <-> rollout pool link (separate rollout pool), on the ranks of both; else None."""
+    teacher_link: TeacherLink | None = None
+    """The actor pool <-> teacher pool link (``pools.teacher_ranks`` > 0), on the ranks of both; else None."""
+
+    def _member(self, name: str) -> bool:
+        pool = self.pools.get_optional(name)
+        return pool is not None and pool.is_member
 
     @property
     def in_reward_pool(self) -> bool:
-        pool = self.pools.get_optional(REWARD)
-        return pool is not None and pool.is_member
+        return self._member(REWARD)
+
+    @property
+    def in_rollout_pool(self) -> bool:
+        return self._member(ROLLOUT)
+
+    @property
+    def in_teacher_pool(self) -> bool:
+        return self._member(TEACHER)
+
+    @property
+    def role(self) -> str:
+        """The loop this rank runs: ``trainer`` (global pool), ``rollout``, ``teacher`` or ``reward``."""
+        for name in (ROLLOUT, TEACHER, REWARD):
+            if self._member(name):
+                return name
+        return "trainer"
 
 
 def build_run_groups(plan: Plan, env: DistEnv, *, close_timeout_s: float = 60.0) -> RunGroups:
@@ -68,8 +101,60 @@ def build_run_groups(plan: Plan, env: DistEnv, *, close_timeout_s: float = 60.0)
         assert plan.reward_fsdp is not None
         reward_mesh = plan.reward_fsdp.build(device_type, start=reward.start)
         exchange = PoolExchange(clients=plan.pool(GLOBAL).ranks, servers=reward.ranks, close_timeout_s=close_timeout_s)
+    bridge, link = _weight_bridge(plan, env), None
+    if plan.rollout_separate and (plan.pool(GLOBAL).contains(env.rank) or plan.pool(ROLLOUT).contains(env.rank)):
+        from spmd_rl.rollout.pool import RolloutLink, routes_of
+
+        link = RolloutLink(routes=routes_of(plan), bridge=bridge, close_timeout_s=close_timeout_s)
+    teacher = plan.pool_optional(TEACHER)
+    teacher_mesh, teacher_link = None, None
+    if teacher is not None:
+        assert plan.teacher_fsdp is not None
+        teacher_mesh = plan.teacher_fsdp.build(device_type, start=teacher.start)
+        if plan.pool(GLOBAL).contains(env.rank) or teacher.contains(env.rank):
+            from spmd_rl.distill import TeacherLink, TeacherRoutes
+
+            actor = plan.pool(GLOBAL)
+            routes = TeacherRoutes(actor_pool=actor, teacher_pool=teacher,
+                                   actor_dp=tuple(plan.dp_rank(k) for k in range(actor.size)))
+            teacher_link = TeacherLink(routes=routes, close_timeout_s=close_timeout_s)
     return RunGroups(plan=plan, pools=pools, rank_table=rows, actor_mesh=actor_mesh, reward_mesh=reward_mesh,
-                     exchange=exchange, sp_group=sp_group)
+                     exchange=exchange, sp_group=sp_group, weight_bridge=bridge, rollout_link=link,
+                     teacher_mesh=teacher_mesh, teacher_link=teacher_link)
+
+
+def _weight_bridge(plan: Plan, env: DistEnv) -> WeightBridge | None:
+    """The actor -> rollout weight bridges (collective over the world: every rank creates every group).
+
+    One process per GPU: one group, actor rank 0 and every rollout rank, broadcasting over the
+    device backend. Several per GPU (``pools.colocate`` > 1): one gloo group per rollout rank with
+    the actor rank on the same GPU (CUDA IPC on GPUs; NCCL cannot hold two ranks of one device).
+    """
+    import torch.distributed as dist
+
+    rollout = plan.pool_optional(ROLLOUT)
+    if rollout is None:
+        return None
+    actor = plan.pool(GLOBAL)
+    me = env.rank
+    if plan.colocate == 1:
+        ranks = [actor.start, *rollout.ranks]
+        group = dist.new_group(ranks)
+        return WeightBridge(group=group, sender=actor.start, device=env.device) if me in ranks else None
+    mine = None
+    for r in rollout.ranks:
+        place = (plan.node(r), plan.gpu(r))
+        sender = next((a for a in actor.ranks if (plan.node(a), plan.gpu(a)) == place), None)
+        if sender is None:
+            raise ValueError(f"rollout rank {r} (node {place[0]}, GPU {place[1]}) shares its GPU with no actor rank: with "
+                             f"pools.colocate={plan.colocate} the actor pool must cover the rollout pool's GPUs")
+        group = dist.new_group([sender, r], backend="gloo")
+        if me in (sender, r):
+            mode = "ipc" if env.device.type == "cuda" else "broadcast"
+            if mine is not None:  # an actor rank paired with several rollout ranks: not a layout plan() allows
+                raise ValueError(f"actor rank {me} would send weights to two rollout ranks")
+            mine = WeightBridge(group=group, sender=sender, device=env.device, mode=mode)
+    return mine
 
 
 __all__ = ["RunGroups", "build_run_groups"]

@@ -26,7 +26,7 @@ from spmd_rl.engine.base import LossFn, NonfiniteGuard, TrainEngine, lr_lambda
 if TYPE_CHECKING:
     import torch
 
-    from spmd_rl.config import ActorConfig, ModelConfig, RefConfig
+    from spmd_rl.config import ActorConfig, ModelConfig, RefConfig, TeacherConfig
     from spmd_rl.distributed.world import RunGroups
 
 Role = Literal["actor", "ref"]
@@ -122,5 +122,17 @@ def build_engine(role: Role, *, actor: ActorConfig, **kwargs: Any) -> TrainEngin
     return engine_spec(actor.engine).build(role, actor=actor, **kwargs)
 
 
-__all__ = ["ENGINES", "ActorLayout", "EngineSpec", "LossFn", "NonfiniteGuard", "TrainEngine", "build_engine",
+def build_teacher(*, teacher: TeacherConfig, actor: ActorConfig, model_folder: str, mesh: Any, group: Any,
+                  device: torch.device, pad_token_id: int, sp_group: Any = None) -> TrainEngine:
+    """The frozen teacher of on-policy distillation: an FSDP engine over ``mesh`` (the actor's mesh
+    when colocated, the teacher pool's otherwise), with the actor's micro-batching settings."""
+    from spmd_rl.engine.fsdp import FSDPEngine
+
+    return FSDPEngine(model_folder=model_folder, mesh=mesh, device=device, fsdp=actor.fsdp,
+                      trust_remote_code=teacher.model.trust_remote_code, pad_token_id=pad_token_id, group=group,
+                      sp_group=sp_group, use_packing=actor.use_packing, max_tokens_per_gpu=actor.max_tokens_per_gpu,
+                      trainable=False, param_offload=teacher.param_offload)
+
+
+__all__ = ["ENGINES", "ActorLayout", "EngineSpec", "LossFn", "NonfiniteGuard", "TrainEngine", "build_engine", "build_teacher",
            "engine_spec", "lr_lambda"]

@@ -27,3 +27,8 @@ def hangs_on_seven(prompts: list[str], completions: list[str], **columns: list) 
     if any("7" in p for p in prompts):
         threading.Event().wait()  # forever
     return [1.0 for _ in completions]
+
+
+def zero(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    """No reward at all: every advantage is 0, so only the other loss terms (KL, distillation) train."""
+    return [0.0] * len(completions)

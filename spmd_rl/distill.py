@@ -1,0 +1,158 @@
+"""The teacher of on-policy distillation: a frozen model scoring the student's sampled tokens.
+
+    teacher = Teacher.colocated(...)         # pools.teacher_ranks = 0: FSDP on the actor's mesh
+    teacher = TeacherLink(...)               # pools.teacher_ranks > 0: the teacher pool's ranks score
+    batch["teacher_logprobs"] = teacher.logprobs(batch, temperature=T)      # every actor rank, [B, T]
+
+With ``algo.distill_coef > 0`` the actor's objective adds that coefficient times the per-token
+reverse KL(student || teacher) on the sampled tokens (:func:`spmd_rl.algo.objective.actor_objective`),
+logged as ``actor/distill_kl``. Teacher and student must share a tokenizer (:func:`check_tokenizers`).
+
+On its own pool, one round per step: the controller (global rank 0) sends ``score`` to every
+teacher rank; each actor data-parallel group's rows go (as tensors, once per group) to the teacher
+ranks in even shares; each teacher rank runs the frozen FSDP model over its share (the engine
+agrees on the micro-batch count over the pool) and sends the log-probs back to every actor rank
+that holds those rows. A teacher rank that fails answers with its error; the actor ranks raise it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.data.batch import RolloutBatch
+from spmd_rl.distributed.bridge import RowRoute, recv_rows, send_rows
+from spmd_rl.distributed.comm import recv_object, send_object, split_even
+from spmd_rl.distributed.pools import PoolSpec
+
+log = logging.getLogger("spmd_rl")
+
+CONTROLLER = 0
+
+ROW_SPEC = {"prompt_ids": (torch.long, 0), "prompt_lengths": (torch.long, 0), "response_ids": (torch.long, 0),
+            "response_mask": (torch.float32, 0.0)}
+LOGPROB_SPEC = {"logprobs": (torch.float32, 0.0)}
+
+
+def check_tokenizers(student: Any, teacher: Any, *, student_path: str, teacher_path: str) -> None:
+    """The teacher scores the student's token ids: both must map text to the same ids."""
+    if student.get_vocab() != teacher.get_vocab():
+        raise ValueError(f"the teacher ({teacher_path}, {len(teacher.get_vocab())} tokens) and the student "
+                         f"({student_path}, {len(student.get_vocab())} tokens) have different tokenizers: on-policy "
+                         f"distillation scores the student's token ids under the teacher, so both must share one")
+
+
+def _pack(batch: RolloutBatch) -> dict[str, torch.Tensor]:
+    width = max((len(p) for p in batch.prompts), default=0)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, p in enumerate(batch.prompts):
+        ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    return {"prompt_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in batch.prompts], dtype=torch.long),
+            "response_ids": batch["response_ids"], "response_mask": batch["response_mask"].float()}
+
+
+def _unpack(t: dict[str, torch.Tensor]) -> RolloutBatch:
+    prompts = [row[:n].tolist() for row, n in zip(t["prompt_ids"], t["prompt_lengths"].tolist())]
+    return RolloutBatch(prompts=prompts, tensors={"response_ids": t["response_ids"], "response_mask": t["response_mask"]})
+
+
+@dataclass(frozen=True)
+class TeacherRoutes:
+    """Rows of one step between the actor pool (in its dp layout) and the teacher pool (even shares)."""
+
+    actor_pool: PoolSpec
+    teacher_pool: PoolSpec
+    actor_dp: tuple[int, ...]
+
+    def actor_ranges(self, num_rows: int) -> dict[int, tuple[int, int]]:
+        size = num_rows // (max(self.actor_dp) + 1)
+        return {self.actor_pool.start + k: (d * size, (d + 1) * size) for k, d in enumerate(self.actor_dp)}
+
+    def teacher_ranges(self, num_rows: int) -> dict[int, tuple[int, int]]:
+        out, start = {}, 0
+        for k, part in enumerate(split_even(range(num_rows), self.teacher_pool.size)):
+            out[self.teacher_pool.start + k] = (start, start + len(part))
+            start += len(part)
+        return out
+
+
+class TeacherLink:
+    """One rank's end of the actor pool <-> teacher pool link (built on the ranks of both)."""
+
+    def __init__(self, *, routes: TeacherRoutes, close_timeout_s: float = 60.0) -> None:
+        self.routes = routes
+        self.rank = dist.get_rank()
+        self.close_timeout_s = close_timeout_s
+        self._closed = False
+
+    def logprobs(self, batch: RolloutBatch, *, temperature: float, num_rows: int) -> torch.Tensor:
+        """Actor side, every actor rank: the teacher's log-probs of this rank's rows ``[B, T]``;
+        ``num_rows``: the step's rows over all actor dp groups."""
+        if self.rank == CONTROLLER:
+            for r in self.routes.teacher_pool.ranks:
+                send_object(("score", {"num_rows": num_rows, "temperature": temperature}), r)
+        mine = self.routes.actor_ranges(num_rows)
+        send_rows(RowRoute(sources=mine, dests=self.routes.teacher_ranges(num_rows)), _pack(batch),
+                  first_row=mine[self.rank][0])
+        back = recv_rows(RowRoute(sources=self.routes.teacher_ranges(num_rows), dests=mine), LOGPROB_SPEC)
+        lp = back["logprobs"]
+        width = batch["response_ids"].shape[1]
+        return torch.nn.functional.pad(lp, (0, width - lp.shape[1])) if lp.shape[1] < width else lp[:, :width]
+
+    def close(self, error: str | None = None) -> None:
+        if self._closed or self.rank != CONTROLLER:
+            self._closed = True
+            return
+        self._closed = True
+        message = ("stop", None) if error is None else ("abort", error)
+        for r in self.routes.teacher_pool.ranks:
+            try:
+                send_object(message, r, timeout_s=self.close_timeout_s)
+            except RuntimeError as e:
+                log.warning("could not tell teacher rank %d to %s: %s", r, message[0], e)
+
+
+class TeacherServer:
+    """The loop of a teacher-pool rank: ``score`` rounds until ``stop`` or ``abort``."""
+
+    def __init__(self, *, link: TeacherLink, build: Any, micro_batch_size: int) -> None:
+        self.link, self.build, self.micro_batch_size = link, build, micro_batch_size
+        self.where = f"teacher rank {link.rank} ({socket.gethostname()})"
+
+    def serve(self) -> int:
+        engine, error = None, None
+        try:
+            engine = self.build()
+        except Exception as e:  # noqa: BLE001 - answered to the actor pool at its first round
+            error = f"{self.where}: loading the teacher failed: {type(e).__name__}: {e}"
+            log.exception("%s: loading the teacher failed", self.where)
+        routes = self.link.routes
+        while True:
+            _, (kind, payload) = recv_object(CONTROLLER)
+            if kind == "stop":
+                return 1 if error else 0
+            if kind == "abort":
+                log.error("%s: stopping, the trainer failed: %s", self.where, payload)
+                return 1
+            num_rows = payload["num_rows"]
+            mine = routes.teacher_ranges(num_rows)
+            rows = recv_rows(RowRoute(sources=routes.actor_ranges(num_rows), dests=mine), ROW_SPEC)
+            out: dict[str, torch.Tensor] = {}
+            if error is None:
+                try:
+                    lp, _ = engine.compute_logprobs(_unpack(rows), temperature=payload["temperature"],
+                                                    micro_batch_size=self.micro_batch_size)
+                    out = {"logprobs": lp.float().cpu()}
+                except Exception as e:  # noqa: BLE001 - the actor ranks raise it
+                    error = f"{self.where}: scoring failed: {type(e).__name__}: {e}"
+                    log.exception("%s: scoring failed", self.where)
+            send_rows(RowRoute(sources=mine, dests=routes.actor_ranges(num_rows)), out,
+                      first_row=mine[self.link.rank][0], error=error)
+
+
+__all__ = ["LOGPROB_SPEC", "ROW_SPEC", "TeacherLink", "TeacherRoutes", "TeacherServer", "check_tokenizers"]

@@ -1,0 +1,267 @@
+"""The rollout on a pool of its own (``pools.rollout_ranks`` > 0): its ranks serve generation to the
+actor's pool, step by step, in lockstep with it.
+
+    # rollout-pool ranks (spmd_rl.train dispatches by pool membership)
+    code = serve_rollout_pool(engine, link)               # until the trainer says stop (0) or abort (1)
+    # actor-pool ranks, inside the trainer's stages
+    link.sync_weights(actor.named_full_tensors(dtype))    # weight_sync: every actor rank iterates
+    rows = link.generate(prompt_ids, sampling, kind="train")   # gen: this actor rank's rows, as tensors
+    link.close(error)                                     # stop, or abort with the error
+
+Everything that moves is a tensor (:mod:`spmd_rl.distributed.bridge`) except the controller's
+short commands (global rank 0 to every rollout rank: ``weights``, ``generate`` with the sampling
+settings, ``stop``, ``abort``). One ``generate`` round:
+
+1. global rank 0 (holding the step's prompts) routes the prompts to the rollout ranks: replica
+   ``d`` of the rollout layout gets the ``d``-th contiguous share, all its tp x pp ranks alike;
+2. each replica generates ``n`` responses per prompt (seed per replica, as on a colocated rollout,
+   so a separate pool with the same data-parallel size samples the same responses);
+3. the responses are routed to the actor ranks in the actor's layout: each actor data-parallel
+   rank gets its contiguous share of the step's rows (training) or each actor rank an even share
+   (validation), so no relayout follows.
+
+Weights: after every update the actor's full tensors go from actor rank 0 (or, with several
+processes per GPU, from the actor rank on the same GPU, by CUDA IPC) to the rollout ranks in
+buckets (:class:`~spmd_rl.distributed.bridge.WeightBridge`), streamed into the engine's
+``load_weights``. A rollout rank that fails (loading weights or generating) answers the next round
+with its error, and every actor rank raises it; an actor rank that fails sends ``abort``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.distributed.bridge import RowRoute, TransferStats, WeightBridge, recv_rows, send_rows
+from spmd_rl.distributed.comm import recv_object, send_object, split_even
+from spmd_rl.distributed.dims import RolloutLayout
+from spmd_rl.distributed.pools import PoolSpec
+
+log = logging.getLogger("spmd_rl")
+
+CONTROLLER = 0
+"""Global rank of the controller: the actor pool's first rank."""
+
+
+def _spec(pad_token_id: int) -> dict[str, tuple[torch.dtype, float]]:
+    """The response tensors a round routes, with their dtypes and pad values."""
+    return {"response_ids": (torch.long, pad_token_id), "response_mask": (torch.float32, 0.0),
+            "logprobs": (torch.float32, 0.0), "truncated": (torch.long, 0)}
+
+
+PROMPT_SPEC = {"prompt_ids": (torch.long, 0), "prompt_lengths": (torch.long, 0)}
+
+
+@dataclass(frozen=True)
+class RolloutRoutes:
+    """Where one round's prompts and responses go (pure: every rank computes the same)."""
+
+    rollout: RolloutLayout
+    rollout_pool: PoolSpec
+    actor_pool: PoolSpec
+    actor_dp: tuple[int, ...]
+    """The actor data-parallel rank of each actor-pool rank."""
+
+    def prompt_ranges(self, num_prompts: int, *, even: bool) -> dict[int, tuple[int, int]]:
+        """Per rollout rank (global): its replica's prompts. ``even``: equal shares (training);
+        else ceil-sized shares, the last ones possibly empty (validation)."""
+        rdp = self.rollout.dp_size
+        share = num_prompts // rdp if even else math.ceil(num_prompts / rdp)
+        out = {}
+        for local in range(self.rollout_pool.size):
+            d = self.rollout.coords(local)["dp"]
+            out[self.rollout_pool.start + local] = (min(d * share, num_prompts), min((d + 1) * share, num_prompts))
+        return out
+
+    def response_sources(self, prompts: dict[int, tuple[int, int]], n: int) -> dict[int, tuple[int, int]]:
+        """Per rollout rank: the response rows it sends, a share of its replica's rows (tp x pp ranks
+        of one replica split them, as on a colocated rollout)."""
+        mp = self.rollout.tp * self.rollout.pp
+        out = {}
+        for rank, (a, b) in prompts.items():
+            c = self.rollout.coords(rank - self.rollout_pool.start)
+            m = c["pp"] * self.rollout.tp + c["tp"]
+            parts = split_even(range(a * n, b * n), mp)[m]
+            out[rank] = (parts[0], parts[-1] + 1) if parts else (b * n, b * n)
+        return out
+
+    def actor_ranges(self, num_rows: int, *, by_dp: bool) -> dict[int, tuple[int, int]]:
+        """Per actor rank (global): ``by_dp`` its data-parallel rank's contiguous share (training),
+        else an even share over the pool's ranks (validation: each row scored once)."""
+        out = {}
+        if by_dp:
+            dp_size = max(self.actor_dp) + 1
+            size = num_rows // dp_size
+            for local, d in enumerate(self.actor_dp):
+                out[self.actor_pool.start + local] = (d * size, (d + 1) * size)
+        else:
+            start = 0
+            for local, part in enumerate(split_even(range(num_rows), self.actor_pool.size)):
+                out[self.actor_pool.start + local] = (start, start + len(part))
+                start += len(part)
+        return out
+
+
+def routes_of(plan: Any) -> RolloutRoutes:
+    """The routes of a :class:`~spmd_rl.distributed.plan.Plan` with a separate rollout pool."""
+    actor = plan.global_pool
+    return RolloutRoutes(rollout=plan.rollout, rollout_pool=plan.rollout_pool, actor_pool=actor,
+                         actor_dp=tuple(plan.dp_rank(k) for k in range(actor.size)))
+
+
+def pack_prompts(prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Right-padded prompt ids and their lengths."""
+    width = max((len(p) for p in prompts), default=0)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    return {"prompt_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in prompts], dtype=torch.long)}
+
+
+def unpack_prompts(t: dict[str, torch.Tensor]) -> list[list[int]]:
+    return [row[:n].tolist() for row, n in zip(t["prompt_ids"], t["prompt_lengths"].tolist())]
+
+
+class RolloutLink:
+    """One rank's end of the link between the actor pool and the rollout pool.
+
+    Built on every rank of both pools (see :func:`spmd_rl.distributed.world.build_run_groups`);
+    ``bridge`` is this rank's weight bridge (None on actor ranks that send no weights).
+    """
+
+    def __init__(self, *, routes: RolloutRoutes, bridge: WeightBridge | None, close_timeout_s: float = 60.0) -> None:
+        self.routes = routes
+        self.bridge = bridge
+        self.close_timeout_s = close_timeout_s
+        self.rank = dist.get_rank()
+        self._closed = False
+        self.last_transfer: TransferStats | None = None
+
+    @property
+    def rollout_ranks(self) -> list[int]:
+        return self.routes.rollout_pool.ranks
+
+    def _command(self, *message: Any) -> None:
+        if self.rank == CONTROLLER:
+            for r in self.rollout_ranks:
+                send_object(message, r)
+
+    # ------------------------------------------------------------------ actor side
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Every actor rank calls this with the actor's full tensors (a collective over the actor
+        pool); the ranks holding a bridge send them to the rollout ranks."""
+        self._command("weights", version)
+        if self.bridge is not None:
+            self.last_transfer = self.bridge.send(named_tensors)
+        else:
+            for _ in named_tensors:  # the gathers are collective over the actor pool
+                pass
+
+    def generate(self, prompts: list[list[int]] | None, sampling: dict[str, Any], *, kind: str,
+                 num_prompts: int, pad_token_id: int) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
+        """One round: ``prompts`` (all of them, on the controller; None elsewhere) are generated for
+        on the rollout pool; returns this actor rank's ``[start, end)`` row range and its rows."""
+        train = kind == "train"
+        self._command("generate", {"kind": kind, "num_prompts": num_prompts, "pad_token_id": pad_token_id, **sampling})
+        routes = self.routes
+        prompt_ranges = routes.prompt_ranges(num_prompts, even=train)
+        if self.rank == CONTROLLER:
+            assert prompts is not None and len(prompts) == num_prompts
+            send_rows(RowRoute(sources={CONTROLLER: (0, num_prompts)}, dests=prompt_ranges), pack_prompts(prompts),
+                      first_row=0)
+        n = sampling["n"]
+        dests = routes.actor_ranges(num_prompts * n, by_dp=train)
+        route = RowRoute(sources=routes.response_sources(prompt_ranges, n), dests=dests)
+        return dests[self.rank], recv_rows(route, _spec(pad_token_id))
+
+    def close(self, error: str | None = None) -> None:
+        """The controller tells every rollout rank to stop, or to abort with ``error``."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.rank != CONTROLLER:
+            return
+        message = ("stop", None) if error is None else ("abort", error)
+        for r in self.rollout_ranks:
+            try:
+                send_object(message, r, timeout_s=self.close_timeout_s)
+            except RuntimeError as e:
+                log.warning("could not tell rollout rank %d to %s: %s", r, message[0], e)
+
+
+class RolloutServer:
+    """The loop of a rollout-pool rank: commands from the controller until ``stop`` or ``abort``."""
+
+    def __init__(self, *, link: RolloutLink, engine: Any, replica: int, sleep_level: int) -> None:
+        """``replica``: this rank's rollout data-parallel rank (added to training seeds, as colocated)."""
+        self.link, self.engine, self.replica, self.sleep_level = link, engine, replica, sleep_level
+        self.where = f"rollout rank {link.rank} ({socket.gethostname()})"
+        self.error: str | None = None  # a failure to report at the next round
+
+    def serve(self) -> int:
+        while True:
+            _, (kind, payload) = recv_object(CONTROLLER)
+            if kind == "stop":
+                return 1 if self.error else 0
+            if kind == "abort":
+                log.error("%s: stopping, the trainer failed: %s", self.where, payload)
+                return 1
+            if kind == "weights":
+                self._load_weights()
+            elif kind == "generate":
+                self._generate(payload)
+            else:
+                raise RuntimeError(f"{self.where}: unknown command {kind!r} from the controller")
+
+    def _load_weights(self) -> None:
+        assert self.link.bridge is not None
+        tensors = self.link.bridge.receive()
+        try:
+            if self.error is None:
+                self.engine.load_weights(tensors)
+        except Exception as e:  # noqa: BLE001 - reported to the actor pool at the next round
+            self.error = f"{self.where}: loading the weights failed: {type(e).__name__}: {e}"
+            log.exception("%s: loading the weights failed", self.where)
+        for _ in tensors:  # receive the rest of the transfer, which the sender goes on broadcasting
+            pass
+
+    def _generate(self, p: dict[str, Any]) -> None:
+        routes, me = self.link.routes, self.link.rank
+        train = p["kind"] == "train"
+        prompt_ranges = routes.prompt_ranges(p["num_prompts"], even=train)
+        prompts = unpack_prompts(recv_rows(RowRoute(sources={CONTROLLER: (0, p["num_prompts"])}, dests=prompt_ranges),
+                                           PROMPT_SPEC))
+        n = p["n"]
+        sources = routes.response_sources(prompt_ranges, n)
+        route = RowRoute(sources=sources, dests=routes.actor_ranges(p["num_prompts"] * n, by_dp=train))
+        first = prompt_ranges[me][0] * n
+        tensors: dict[str, torch.Tensor] = {}
+        error = self.error
+        if error is None and prompts:
+            try:
+                self.engine.wake_up()
+                out = self.engine.generate(prompts, n=n, temperature=p["temperature"], top_p=p["top_p"],
+                                           top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
+                                           seed=p["seed"] + (self.replica if train else 0))
+                self.engine.sleep(self.sleep_level)
+                tensors = {"response_ids": out.response_ids.cpu(), "response_mask": out.response_mask.float().cpu(),
+                           "logprobs": out.logprobs.float().cpu(), "truncated": out.truncated.long().cpu()}
+            except Exception as e:  # noqa: BLE001 - the actor ranks raise it
+                error = self.error = f"{self.where}: generation failed: {type(e).__name__}: {e}"
+                log.exception("%s: generation failed", self.where)
+        send_rows(route, tensors, first_row=first, error=error)
+
+
+def serve_rollout_pool(*, engine: Any, link: RolloutLink, replica: int, sleep_level: int) -> int:
+    """Serve the actor pool until it stops (0) or aborts (1); 1 too when this rank failed."""
+    return RolloutServer(link=link, engine=engine, replica=replica, sleep_level=sleep_level).serve()
+
+
+__all__ = ["CONTROLLER", "PROMPT_SPEC", "RolloutLink", "RolloutRoutes", "RolloutServer", "pack_prompts", "routes_of",
+           "serve_rollout_pool", "unpack_prompts"]

@@ -1,0 +1,213 @@
+"""Roles on their own pools (CPU, gloo, tiny models, real processes under torchrun).
+
+* a rollout pool computes what the colocated rollout computes: the same metrics, step by step,
+  with one process per device and with two processes per device (``pools.colocate 2``);
+* a teacher drives the student toward itself (the reverse KL falls), and a teacher pool gives the
+  colocated teacher's metrics;
+* a rollout rank killed mid-step ends every process, the cause named;
+* the tensor channels between pools: rows routed exactly, weights bit for bit, errors carried.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import HERE, REPO
+from spmd_rl.distributed.bridge import RowRoute, WeightBridge, recv_rows, send_rows
+from spmd_rl.distributed.comm import RemoteFailure
+from spmd_rl.distributed.testing import free_port, run_distributed
+from support.tiny import tiny_model_folder
+from test_train_e2e import TINY, read_metrics
+
+STEPS = ["--trainer.total-steps", "3", "--trainer.val-every", "2"]
+
+
+def launch(out_dir: str, *flags: str, nproc: int) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), "-m", "spmd_rl.train", *TINY, "--trainer.output-dir", out_dir, *flags]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def run_ok(out_dir: str, *flags: str, nproc: int) -> str:
+    proc = launch(out_dir, *flags, nproc=nproc)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{out[-3000:]}\nSTDERR\n{err[-6000:]}"
+    return err
+
+
+def learning_metrics(out_dir: str) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "elapsed_s"))}
+            for m in read_metrics(out_dir)]
+
+
+def assert_same(a: list[dict], b: list[dict], what: str) -> None:
+    assert [m["step"] for m in a] == [m["step"] for m in b], what
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys(), (what, sorted(set(x) ^ set(y)))
+        for k in x:
+            assert abs(x[k] - y[k]) <= 1e-6 * max(1.0, abs(x[k])), f"{what}: step {x['step']} {k}: {x[k]} vs {y[k]}"
+
+
+def test_rollout_pool_matches_colocated(tmp_path):
+    """2 colocated ranks vs 2 actor + 2 rollout ranks (one and two processes per device): the
+    rollout data-parallel size and seeds match, so scores, losses, grad norms and validation agree."""
+    run_ok(str(tmp_path / "colocated"), *STEPS, nproc=2)
+    err = run_ok(str(tmp_path / "pool"), *STEPS, "--pools.rollout-ranks", "2", nproc=4)
+    assert "rollout:0" in err and "rollout:1" in err  # the rank table names the pool
+    run_ok(str(tmp_path / "shared"), *STEPS, "--pools.rollout-ranks", "2", "--pools.colocate", "2", nproc=4)
+    base = learning_metrics(str(tmp_path / "colocated"))
+    assert len(base) == 6 and sum("val/accuracy" in m for m in base) == 3  # 3 steps; validation at 0, 2, 3
+    assert_same(base, learning_metrics(str(tmp_path / "pool")), "rollout pool")
+    assert_same(base, learning_metrics(str(tmp_path / "shared")), "rollout pool, 2 processes per device")
+
+
+def test_teacher_distillation_colocated_and_on_a_pool(tmp_path):
+    """With no reward, only the distillation term trains: the reverse KL to the teacher falls; a
+    teacher pool of 2 ranks gives the colocated teacher's metrics."""
+    teacher = tiny_model_folder(None, layers=3, hidden=96, seed=7)
+    flags = ["--teacher.model.path", teacher, "--algo.distill-coef", "1.0", "--reward.fn", "support.rewards:zero",
+             "--trainer.total-steps", "8", "--trainer.val-every", "0"]
+    run_ok(str(tmp_path / "colocated"), *flags, nproc=2)
+    run_ok(str(tmp_path / "pool"), *flags, "--pools.teacher-ranks", "2", nproc=4)
+    base = learning_metrics(str(tmp_path / "colocated"))
+    kl = [m["actor/distill_kl"] for m in base]
+    assert sum(kl[-3:]) / 3 < 0.6 * sum(kl[:2]) / 2, f"the reverse KL to the teacher did not fall: {kl}"
+    assert_same(base, learning_metrics(str(tmp_path / "pool")), "teacher pool")
+
+
+def test_teacher_with_another_tokenizer_is_refused(tmp_path):
+    proc = launch(str(tmp_path / "run"), "--teacher.model.path", "smollm2-135m-instruct", "--algo.distill-coef", "0.1",
+                  "--trainer.total-steps", "1", nproc=1)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "have different tokenizers" in err and "smollm2-135m-instruct" in err and "tiny-random" in err
+
+
+def _child_with_rank(parent: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of global ``rank`` (read from /proc)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if env.get(b"RANK") == str(rank).encode():
+            return int(pid)
+    return None
+
+
+def test_killed_rollout_rank_stops_every_pool(tmp_path):
+    """kill -9 of a rollout-pool rank after the first step: every process exits within 60 s and
+    the launcher names the rank and its signal."""
+    out = str(tmp_path / "run")
+    proc = launch(out, "--pools.rollout-ranks", "2", "--trainer.total-steps", "200", "--trainer.val-every", "0",
+                  nproc=4)
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + 300
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-4000:]
+        time.sleep(0.2)
+    victim = _child_with_rank(proc.pid, 3)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = proc.communicate(timeout=90)
+    assert time.monotonic() - killed < 60
+    assert proc.returncode != 0
+    assert "rank" in err and ("Signal 9" in err or "SIGKILL" in err), err[-4000:]
+
+
+# --------------------------------------------------------------------------- the channels
+
+
+def _route_rows(rank: int, world: int) -> dict:
+    """Ranks 0-1 hold rows 0..5 and 6..11 (rank 1 also a copy of 0's, as a tp peer would);
+    ranks 2-3 take 0..3 and 4..11; rank 1 then fails on purpose for a second round."""
+    torch.manual_seed(0)
+    ids = torch.arange(12 * 4).reshape(12, 4)
+    lp = torch.randn(12, 4)
+    route = RowRoute(sources={0: (0, 6), 1: (6, 12)}, dests={2: (0, 4), 3: (4, 12)})
+    spec = {"ids": (torch.long, -1), "lp": (torch.float32, 0.0)}
+    out: dict = {}
+    if rank < 2:
+        a, b = route.sources[rank]
+        width = 3 if rank == 1 else 4  # pieces of different lengths are padded when joined
+        send_rows(route, {"ids": ids[a:b, :width], "lp": lp[a:b, :width]}, first_row=a)
+        send_rows(route, {"ids": ids[a:b], "lp": lp[a:b]}, first_row=a, error="boom" if rank == 1 else None)
+    else:
+        got = recv_rows(route, spec)
+        a, b = route.dests[rank]
+        expect = ids[a:b].clone()
+        if b > 6:
+            expect[max(a, 6) - a:, 3] = -1
+        out["ids_equal"] = torch.equal(got["ids"], expect)
+        out["lp_rows"] = torch.equal(got["lp"][:, :3], lp[a:b, :3])
+        try:
+            recv_rows(route, spec)
+            out["error"] = None
+        except RemoteFailure as e:
+            out["error"] = (e.rank, e.message)
+    return out
+
+
+def test_rows_routed_exactly_and_errors_carried():
+    results = run_distributed(_route_rows, 4)
+    assert results[2]["ids_equal"] and results[3]["ids_equal"]
+    assert results[2]["lp_rows"] and results[3]["lp_rows"]
+    assert results[2]["error"] is None  # rows 0..3 all come from rank 0, which did not fail
+    assert results[3]["error"] == (1, "boom")
+
+
+def _bridge(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1, 2])
+    bridge = WeightBridge(group=group, sender=0, device=torch.device("cpu"), bucket_bytes=1000)
+    torch.manual_seed(1)
+    tensors = [(f"w{i}", torch.randn(7, 11 + i).to(torch.bfloat16 if i % 2 else torch.float32)) for i in range(6)]
+    if rank == 0:
+        stats = bridge.send(iter(tensors))
+        return {"buckets": stats.buckets, "bytes": stats.bytes}
+    got = [(n, t.clone()) for n, t in bridge.receive()]
+    return {"same": [n for n, _ in got] == [n for n, _ in tensors]
+            and all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(got, tensors))}
+
+
+def test_weight_bridge_bit_for_bit_in_buckets():
+    results = run_distributed(_bridge, 3)
+    assert results[1]["same"] and results[2]["same"]
+    assert results[0]["buckets"] > 1  # 1000-byte buckets: several rounds
+    assert results[0]["bytes"] == sum(7 * (11 + i) * (2 if i % 2 else 4) for i in range(6))
+
+
+@pytest.mark.parametrize("flags,rows", [
+    (["--pools.rollout-ranks", "2", "--pools.colocate", "2"], {"gpu": [0, 1, 0, 1], "pools": [{"global": 0},
+                                                                                             {"global": 1},
+                                                                                             {"rollout": 0},
+                                                                                             {"rollout": 1}]}),
+])
+def test_layout_json_pools_and_gpus(flags, rows, capsys):
+    import json
+
+    from spmd_rl import layout
+
+    assert layout.main([*flags, "--world-size", "4", "--nproc-per-node", "4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [r["gpu"] for r in d["ranks"]] == rows["gpu"]
+    assert [r["pools"] for r in d["ranks"]] == rows["pools"]
+    assert d["groups"]["rollout.dp"] == [[2, 3]] and d["groups"]["rollout.tp"] == [[2], [3]]
+    assert d["memory_fractions"] == {"global": 0.5, "rollout": 0.5}
