@@ -39,8 +39,8 @@ def serve_pool(cfg: Config, env: DistEnv, groups: RunGroups) -> int:
             eos_token_ids=eos_token_ids(tokenizer), trust_remote_code=cfg.model.trust_remote_code,
             max_prompt_length=cfg.data.max_prompt_length, seed=rollout_seed(cfg, replica))
         try:
-            return serve_rollout_pool(engine=engine, link=groups.rollout_link, replica=replica,
-                                      sleep_level=cfg.rollout.sleep_level)
+            # never asleep: its memory is its own (its pool's ranks, or its capped share of a shared GPU)
+            return serve_rollout_pool(engine=engine, link=groups.rollout_link, replica=replica, sleep_level=0)
         finally:
             engine.close()
     if groups.in_teacher_pool:

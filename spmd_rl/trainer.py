@@ -1,4 +1,4 @@
-"""The GRPO trainer: the seven stages of one step, in lockstep on every rank.
+"""The GRPO trainer: the stages of one step, in lockstep on every rank of the actor's pool.
 
     trainer = Trainer(cfg, env, groups=build_run_groups(plan, env))   # engines, data, reward
     trainer.fit()
@@ -6,16 +6,20 @@
 Rank 0 is the controller inside the same loop: it draws the step's prompts and logs. Everything
 else is symmetric. Per step:
 
-1. prompts   rank 0 draws ``data.train_batch_size`` prompt indices and broadcasts them; each
-             rollout data-parallel rank takes a contiguous slice (tp ranks of a group share one);
-2. rollout   the rollout engine receives the actor's weights if they changed (hot-swap), generates
-             ``rollout.n`` responses per prompt, sleeps;
-3. reward    each rank scores the responses it holds: rules, plus the reward model (colocated, or
-             a round trip to the reward pool when ``pools.reward_ranks`` > 0);
-4. old       actor log-probs before the update (only when a step makes several optimizer steps);
-5. ref       frozen reference log-probs (when the KL loss is on);
-6. adv       group advantages, local since all n responses of a prompt are on one rank;
-7. update    mini-batches x micro-batches with global token normalisation.
+1. weight_sync  the rollout gets the actor's weights if it holds an older version: a hot-swap in
+                the same process, or a transfer to the rollout pool (``pools.rollout_ranks`` > 0);
+2. gen          rank 0 draws ``data.train_batch_size`` prompt indices and broadcasts them; each
+                rollout data-parallel replica generates ``rollout.n`` responses for its contiguous
+                share (colocated: on these ranks, then sleeps; else on the rollout pool, whose rows
+                come back already in the actor's layout);
+3. reward       each rank scores the responses it holds: rules, plus the reward model (colocated,
+                or a round trip to the reward pool when ``pools.reward_ranks`` > 0);
+4. relayout     rows move from the rollout's layout to the actor's data-parallel layout;
+5. old_logprob  actor log-probs before the update (several optimizer steps per batch, or IS);
+6. ref          frozen reference log-probs (when the KL loss is on);
+7. teacher      the teacher's log-probs, colocated or on the teacher pool (``algo.distill_coef``);
+8. adv          group advantages, local since all n responses of a prompt are on one rank;
+9. update       mini-batches x micro-batches with global token normalisation.
 
 Every stage runs under a timer (``timing_s/<stage>``), which is also a ``stage/<name>`` profiler
 range for ``trainer.profile_steps`` (:mod:`spmd_rl.profiling`). Metrics are accumulated locally and

@@ -112,7 +112,7 @@ class RolloutConfig:
     sleep_level: Literal[0, 1, 2] = 1
     """After generation keep everything on the device (0: the next rollout neither reallocates its KV
     cache nor recaptures its CUDA graphs, and the update runs next to them), free the KV cache and
-    graphs (1) or the KV cache and the weights (2)."""
+    graphs (1) or the KV cache and the weights (2). A rollout on its own pool never sleeps."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory it may take."""
     gpu_memory_fraction: float = 0.0
