@@ -122,6 +122,35 @@ def rollout_seed(cfg: Config, replica: int) -> int:
     return cfg.trainer.seed * 1_000_003 + replica
 
 
+class InFlight:
+    """Asynchronous GRPO's rounds in flight: (step, prompt indices), oldest first. A checkpoint holds
+    them; a resumed run generates them again (with the resumed weights)."""
+
+    def __init__(self) -> None:
+        self.rounds: list[tuple[int, list[int]]] = []
+        self.restored: list[tuple[int, list[int]]] = []
+        self.next_step = 1
+
+    def add(self, step: int, indices: list[int]) -> None:
+        self.rounds.append((step, list(indices)))
+        self.next_step = step + 1
+
+    def pop(self) -> tuple[int, list[int]]:
+        return self.rounds.pop(0)
+
+    def reissue(self) -> list[tuple[int, list[int]]]:
+        """The rounds a resumed checkpoint held (to generate again); after them, new ones."""
+        out, self.restored = self.restored, []
+        return out
+
+    def state_dict(self) -> dict:
+        return {"rounds": [[step, *indices] for step, indices in self.rounds], "next_step": self.next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.restored = [(int(r[0]), [int(i) for i in r[1:]]) for r in state["rounds"]]
+        self.next_step = self.restored[0][0] if self.restored else int(state["next_step"])
+
+
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv, groups: RunGroups | None = None) -> None:
         """``groups``: the run's pools and meshes, built on every rank of the world (by
@@ -158,14 +187,15 @@ class Trainer:
             max_prompt_length=cfg.data.max_prompt_length, seed=rollout_seed(cfg, self.place.rollout_dp))
         self.policy_version = self.rollout_version = 0  # actor updates so far / those the rollout holds
         self.row_weight = 1.0  # what a row this rank holds counts in sums (< 1 where rows repeat over ranks)
-        # Old log-probs: needed for several optimizer steps per batch, and by the IS correction
-        # (the trainer's own log-probs of the sampling policy).
-        self.need_old_logprobs = self.updates_per_step > 1 or cfg.algo.rollout_is != "none"
+        # Old log-probs: needed for several optimizer steps per batch, by the IS correction (the trainer's
+        # own log-probs of the sampling policy), and off-policy (the proximal policy of decoupled PPO).
+        self.staleness, self.in_flight = cfg.trainer.max_staleness, InFlight()
+        self.need_old_logprobs = self.updates_per_step > 1 or cfg.algo.rollout_is != "none" or self.staleness > 0
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.step = 0
         self.checkpointer.track(model_folder=self.model_folder, export=self.actor.export_weights,
-                                actor=self.actor, sampler=self.sampler)
+                                actor=self.actor, sampler=self.sampler, **({"in_flight": self.in_flight} if self.staleness else {}))
         self.checkpointer.check_writable(checkpoint_bytes(  # before the first step, not at the first save
             model_parameters(self.model_folder), hf_copy=engine_spec(cfg.actor.engine).export_copy))
 
@@ -191,6 +221,8 @@ class Trainer:
                        start_step=self.checkpointer.start_step, config_dict=to_dict(cfg),
                        start_elapsed_s=self.checkpointer.start_elapsed_s)
         sink.info("rank table\n" + format_rank_table(rank_table))
+        for warning in self.plan.warnings:
+            sink.info(f"warning: {warning}")
         sink.write_config(to_yaml(cfg), print_all=cfg.logging.print_config)
         return sink
 
@@ -218,6 +250,12 @@ class Trainer:
         self.step = self.policy_version = self.checkpointer.resume()  # resumed weights: the rollout syncs first
         if cfg.val_every and self.step == 0:  # a resumed run validated this step before saving it
             self.sink.log(self.validate(), self.step)
+        if self.staleness:  # rounds in flight: those a checkpoint held (regenerated), then up to S + 1
+            self.sync_weights()
+            for step, indices in self.in_flight.reissue():
+                self.issue(step, indices)
+            while self.in_flight.next_step <= min(self.step + self.staleness + 1, cfg.total_steps):
+                self.issue(self.in_flight.next_step)
         while self.step < cfg.total_steps:
             self.step += 1
             self.sink.step_started(self.step, self.env.device)
@@ -226,10 +264,14 @@ class Trainer:
             trace = os.path.join(cfg.output_dir, "profile", f"step{self.step}_rank{self.env.rank}.json.gz")
             profiling = profiled(self.env.device, trace) if self.step in cfg.profile_steps else nullcontext()
             with profiling as prof, timer("step"):
-                with timer("weight_sync"):
-                    self.sync_weights()
-                with timer("gen"):
-                    batch = self.generate(acc)
+                if self.staleness:  # the oldest round in flight, generated while earlier updates ran
+                    with timer("wait_rollout"):
+                        batch = self.take(acc)
+                else:
+                    with timer("weight_sync"):
+                        self.sync_weights()
+                    with timer("gen"):
+                        batch = self.generate(acc)
                 with timer("reward"):
                     self.score(batch, acc)
                 with timer("relayout"):
@@ -247,6 +289,11 @@ class Trainer:
                     self.advantages(batch, acc)
                 with timer("update"):
                     self.update(batch, acc)
+                if self.staleness:  # new weights to the rollout pool, once it is done with its round
+                    with timer("wait_weights"):
+                        self.sync_weights()
+                    if self.in_flight.next_step <= min(self.step + self.staleness + 1, cfg.total_steps):
+                        self.issue(self.in_flight.next_step)
             last = self.finish_step(batch, acc, timer)
             if prof is not None and self.env.is_main:
                 log.info("step %d under torch.profiler (trace: %s):\n%s", self.step, trace,
@@ -259,31 +306,66 @@ class Trainer:
         return last
 
     # ================================================================== stages
-    def generate(self, acc: MetricAccumulator) -> RolloutBatch:
+    def draw(self) -> list[int]:
+        """The next batch's prompt indices, drawn on rank 0 (every rank's sampler stays in step)."""
         indices = broadcast_object(self.sampler.next_batch() if self.env.is_main else None,
                                    src=self.pool.spec.start, group=self.group)
         if not self.env.is_main:
             self.sampler.next_batch()  # keep every rank's sampler in step, for checkpoints
-        n, r = self.cfg.rollout.n, self.cfg.rollout
-        sampling = dict(n=n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                        seed=self.cfg.trainer.seed * 1_000_003 + self.step * 7919)  # + the replica's dp rank
+        return indices
+
+    def sampling(self, step: int) -> dict:
+        r = self.cfg.rollout
+        return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                    seed=self.cfg.trainer.seed * 1_000_003 + step * 7919)  # + the replica's dp rank
+
+    def generate(self, acc: MetricAccumulator) -> RolloutBatch:
+        indices, sampling = self.draw(), self.sampling(self.step)
         if self.link is not None:  # the rollout pool generates; this rank's rows come back in the actor layout
-            (start, end), out = self.link.generate(
-                [self.train_ids[i] for i in indices] if self.env.is_main else None, sampling, kind="train",
-                num_prompts=len(indices), pad_token_id=self.pad_id)
-            positions = [row // n for row in range(start, end)]
-            weight = self.place.sum_weight  # rows repeat over the ranks of an actor dp group
-        else:
-            dp, dp_size = self.place.rollout_dp, self.place.rollout_dp_size
-            per_rank = len(indices) // dp_size
-            mine = list(range(dp * per_rank, (dp + 1) * per_rank))
-            self.rollout.wake_up()
-            g = self.rollout.generate([self.train_ids[indices[i]] for i in mine],
-                                      **{**sampling, "seed": sampling["seed"] + dp})
-            self.rollout.sleep(self.cfg.rollout.sleep_level)
-            out = {"response_ids": g.response_ids, "response_mask": g.response_mask, "logprobs": g.logprobs,
-                   "truncated": g.truncated}
-            positions, weight = [i for i in mine for _ in range(n)], 1.0
+            rows, out = self.link.generate([self.train_ids[i] for i in indices] if self.env.is_main else None,
+                                           sampling, kind="train", num_prompts=len(indices), pad_token_id=self.pad_id)
+            return self.to_batch(indices, rows, out, acc)
+        dp, dp_size = self.place.rollout_dp, self.place.rollout_dp_size
+        per_rank = len(indices) // dp_size
+        mine = list(range(dp * per_rank, (dp + 1) * per_rank))
+        self.rollout.wake_up()
+        g = self.rollout.generate([self.train_ids[indices[i]] for i in mine], **{**sampling, "seed": sampling["seed"] + dp})
+        self.rollout.sleep(self.cfg.rollout.sleep_level)
+        out = {"response_ids": g.response_ids, "response_mask": g.response_mask, "logprobs": g.logprobs,
+               "truncated": g.truncated}
+        n = sampling["n"]
+        return self.to_batch(indices, (mine[0] * n, (mine[-1] + 1) * n), out, acc, weight=1.0)
+
+    def issue(self, step: int, indices: list[int] | None = None) -> None:
+        """Asynchronous GRPO: start generating ``step``'s batch on the rollout pool (``indices``: a
+        round a checkpoint held; else the next draw)."""
+        indices = self.draw() if indices is None else indices
+        self.in_flight.add(step, indices)
+        self.link.issue([self.train_ids[i] for i in indices] if self.env.is_main else None, self.sampling(step),
+                        kind="train", num_prompts=len(indices), pad_token_id=self.pad_id)
+
+    def take(self, acc: MetricAccumulator) -> RolloutBatch:
+        """Asynchronous GRPO: this step's batch, the oldest round in flight, with its staleness."""
+        step, indices = self.in_flight.pop()
+        assert step == self.step, (step, self.step)
+        rows, out = self.link.take()
+        batch = self.to_batch(indices, rows, out, acc)
+        mask = batch["response_mask"].bool()
+        stale = (self.policy_version - out["versions"][mask]).float()
+        if stale.numel():
+            acc.add("async/staleness/mean", stale.mean().item(), stale.numel())
+            acc.add_max("async/staleness/max", stale.max().item())
+        acc.add_max("async/queue_depth", float(self.link.in_flight))
+        acc.add_max("async/rollout_busy_s", out["gen_seconds"].max().item() if len(out["gen_seconds"]) else 0.0)
+        return batch
+
+    def to_batch(self, indices: list[int], rows: tuple[int, int], out: dict, acc: MetricAccumulator, *,
+                 weight: float | None = None) -> RolloutBatch:
+        """The rows ``[start, end)`` of a step (prompt-major, ``rollout.n`` per prompt) as a batch,
+        with the response metrics. ``weight``: what each row counts in sums (default: this rank's
+        share of its actor dp group's rows)."""
+        n = self.cfg.rollout.n
+        positions = [row // n for row in range(*rows)]
         batch = RolloutBatch(
             prompts=[self.train_ids[indices[i]] for i in positions],
             tensors={
@@ -299,6 +381,7 @@ class Trainer:
         if mp_size > 1:  # every rank of the replica holds these rows: keep a share
             share = len(batch) // mp_size
             batch = batch.select(range(mp * share, (mp + 1) * share))
+        self.row_weight = self.place.sum_weight if weight is None else weight  # rows repeat over an actor dp group
         lengths = batch["response_mask"].sum(1)
         for length in lengths.tolist():
             acc.add("response_length/mean", length)
@@ -306,8 +389,7 @@ class Trainer:
         acc.add_min("response_length/min", lengths.min().item())
         for flag in batch["truncated"].tolist():
             acc.add("response_length/clip_ratio", float(flag))
-        acc.add_sum("perf/gen_tokens", lengths.sum().item() * weight)
-        self.row_weight = weight
+        acc.add_sum("perf/gen_tokens", lengths.sum().item() * self.row_weight)
         return batch
 
     def sync_weights(self) -> None:
@@ -442,6 +524,10 @@ class Trainer:
             metrics[f"timing_s/{name}"] = seconds  # the loop is lockstep: rank 0's clock speaks for all
         step_s = max(timer.seconds["step"], 1e-9)
         metrics["perf/tokens_per_s"] = metrics.pop("perf/total_tokens") / step_s
+        if "async/rollout_busy_s" in metrics:  # the share of the step each pool waited
+            waited = timer.seconds.get("wait_rollout", 0.0) + timer.seconds.get("wait_weights", 0.0)
+            metrics["async/actor_idle_frac"] = min(waited / step_s, 1.0)
+            metrics["async/rollout_idle_frac"] = max(1.0 - metrics["async/rollout_busy_s"] / step_s, 0.0)
         gen_tokens = metrics.pop("perf/gen_tokens")
         metrics["perf/gen_tokens_per_s"] = gen_tokens / max(timer.seconds.get("gen", 1e-9), 1e-9)
         peak = peak_flops(self.env.device)
@@ -458,8 +544,9 @@ class Trainer:
         sampling = dict(n=1, temperature=self.cfg.rollout.val_temperature, top_p=1.0, top_k=0,
                         max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)
         if self.link is not None:  # each actor rank gets an even share of the answers, scored once
-            (start, end), out = self.link.generate(self.val_ids if self.env.is_main else None, sampling, kind="val",
-                                                   num_prompts=len(self.val_ids), pad_token_id=self.pad_id)
+            self.link.issue(self.val_ids if self.env.is_main else None, sampling, kind="val",
+                            num_prompts=len(self.val_ids), pad_token_id=self.pad_id)
+            (start, end), out = self.link.take(last=True)  # after the training rounds in flight
             mine = list(range(start, end))
             prompt_ids = [self.val_ids[i] for i in mine]
             responses = [ids[mask.bool()].tolist() for ids, mask in zip(out["response_ids"], out["response_mask"])]

@@ -302,6 +302,12 @@ class TrainerConfig:
     silent (stopped, frozen) or behind it in the loop, end the run with a message naming that rank
     and its step and stage, instead of waiting out `dist_timeout_s`. Must be below it, and above
     the longest time one rank may work while the others wait (spmd_rl/distributed/watchdog.py)."""
+    max_staleness: int = 0
+    """Asynchronous GRPO (needs `pools.rollout_ranks` > 0): the rollout pool generates the next
+    batches while the actor trains, and no batch is used for an update more than this many policy
+    versions after the weights that generated it (0 = synchronous; 1 = one-step off-policy). The
+    update's ratio is then against the trainer's own log-probs before the update (proximal), and
+    `algo.rollout_is` corrects for the older policy that sampled (behaviour)."""
     profile_steps: list[int] = field(default_factory=list)
     """Steps to run under torch.profiler: a Chrome trace per rank in `<output_dir>/profile/` and, on
     rank 0, the log of each stage's wall time against its kernels' time (spmd_rl/profiling.py)."""
@@ -311,6 +317,7 @@ class TrainerConfig:
         _check(all(s >= 1 for s in self.profile_steps), f"trainer.profile_steps must be >= 1, got {self.profile_steps}")
         _check(self.val_every >= 0, f"trainer.val_every must be >= 0, got {self.val_every}")
         _check(self.dist_timeout_s >= 1, f"trainer.dist_timeout_s must be >= 1, got {self.dist_timeout_s}")
+        _check(self.max_staleness >= 0, f"trainer.max_staleness must be >= 0, got {self.max_staleness}")
         _check(self.stall_timeout_s >= 0, f"trainer.stall_timeout_s must be >= 0 (0 = off), got {self.stall_timeout_s}")
         _check(self.stall_timeout_s < self.dist_timeout_s,
                f"trainer.stall_timeout_s ({self.stall_timeout_s}) must be below trainer.dist_timeout_s "

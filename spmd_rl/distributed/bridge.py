@@ -30,12 +30,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-from spmd_rl.distributed.comm import RemoteFailure, broadcast_object, recv_object, send_object
+from spmd_rl.distributed.comm import RemoteFailure, broadcast_object, isend_object, recv_object
 
 log = logging.getLogger("spmd_rl")
 
@@ -98,22 +98,38 @@ def _header(status: int, rows: int, tensors: list[torch.Tensor]) -> torch.Tensor
 
 
 def send_rows(route: RowRoute, tensors: Mapping[str, torch.Tensor], *, first_row: int,
-              error: str | None = None) -> None:
+              error: str | None = None, wait: bool = True) -> list[tuple[Any, torch.Tensor]]:
     """Send this rank's pieces: ``tensors`` (row-major, dim 0 = rows, CPU) hold the rows from
-    ``first_row`` on. With ``error`` (this rank failed) every taker of a piece gets the message instead."""
+    ``first_row`` on. With ``error`` (this rank failed) every taker of a piece gets the message instead.
+
+    ``wait=False`` returns at once with the ``(work, buffer)`` pairs to keep until they complete
+    (:func:`settle`): the takers may receive the rows later, in the order they were sent."""
     me = dist.get_rank()
     names = list(tensors)
-    works = []
+    pending: list[tuple[Any, torch.Tensor]] = []
     for dst, start, end in route.sends(me):
         if error is not None:
-            dist.send(_header(1, 0, []), dst=dst)
-            send_object(error, dst)
+            header = _header(1, 0, [])
+            pending.append((dist.isend(header, dst=dst), header))
+            pending += isend_object(error, dst)
             continue
         parts = [tensors[k][start - first_row:end - first_row].contiguous() for k in names]
-        works.append(dist.isend(_header(0, end - start, parts), dst=dst))
-        works += [dist.isend(p, dst=dst) for p in parts]
-    for w in works:
-        w.wait()
+        header = _header(0, end - start, parts)
+        pending.append((dist.isend(header, dst=dst), header))
+        pending += [(dist.isend(p, dst=dst), p) for p in parts]
+    if wait:
+        settle(pending, block=True)
+        return []
+    return pending
+
+
+def settle(pending: list[tuple[Any, torch.Tensor]], *, block: bool = False) -> list[tuple[Any, torch.Tensor]]:
+    """The sends of ``pending`` not done yet (all of them waited for with ``block``)."""
+    if block:
+        for work, _ in pending:
+            work.wait()
+        return []
+    return [(w, t) for w, t in pending if not w.is_completed()]
 
 
 def recv_rows(route: RowRoute, spec: Mapping[str, tuple[torch.dtype, float]]) -> dict[str, torch.Tensor]:
@@ -272,4 +288,4 @@ def _rebuild_ipc(handle: tuple) -> torch.Tensor:
     return fn(*args)
 
 
-__all__ = ["RowRoute", "TransferStats", "WeightBridge", "recv_rows", "send_rows"]
+__all__ = ["RowRoute", "TransferStats", "WeightBridge", "recv_rows", "send_rows", "settle"]

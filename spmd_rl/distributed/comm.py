@@ -139,6 +139,13 @@ def send_object(obj: Any, dst: int, *, timeout_s: float | None = None) -> None:
             dist.isend(tensor, dst=dst).wait(timeout=timedelta(seconds=timeout_s))
 
 
+def isend_object(obj: Any, dst: int) -> list[tuple[Any, torch.Tensor]]:
+    """:func:`send_object` without waiting: ``(work, buffer)`` pairs to keep until the works are
+    done (the receiver may take the object later; messages to one rank arrive in sending order)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    return [(dist.isend(t, dst=dst), t) for t in (torch.tensor([payload.numel()], dtype=torch.long), payload)]
+
+
 def recv_object(src: int | None = None) -> tuple[int, Any]:
     """``(sender, object)`` from global rank ``src``, or from whichever rank sends first when
     ``src`` is None. Blocks in gloo (no busy wait) up to the process group's timeout."""

@@ -192,6 +192,15 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
 
     _check_pools(cfg, by_name, engine_whole_world=engine.whole_world, backend_whole_world=backend.whole_world)
     _check_teacher(cfg, separate=teacher is not None, engine_meshes=engine.meshes)
+    warnings = list(engine.warnings(cfg.actor))
+    if cfg.trainer.max_staleness > 0:
+        if ROLLOUT not in by_name:
+            raise ValueError(
+                f"trainer.max_staleness={cfg.trainer.max_staleness} overlaps generation with the update, which needs "
+                f"the rollout on ranks of its own: set --pools.rollout-ranks N (N > 0), or --trainer.max-staleness 0")
+        if cfg.algo.rollout_is == "none":
+            warnings.append(f"trainer.max_staleness={cfg.trainer.max_staleness} trains on samples of an older policy "
+                            f"with no importance correction: consider --algo.rollout-is token_truncated")
     fractions = _memory_fractions(cfg, specs, world_size, nproc_per_node)
     ignored = engine.ignored_flags(cfg.actor)
     if ignored:
@@ -233,7 +242,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
         actor=actor, actor_meshes=engine.meshes, layouts_by_name=layouts, rollout=rollout,
         reward_fsdp=reward_fsdp, teacher_fsdp=teacher_fsdp, rollout_prompts_per_replica=tb // rdp,
         actor_prompts_per_mini_batch=mb // adp, colocate=pools.colocate, memory_fractions=fractions,
-        unavailable=unavailable, warnings=tuple(engine.warnings(cfg.actor)),
+        unavailable=unavailable, warnings=tuple(warnings),
     )
 
 

@@ -32,14 +32,15 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
-from spmd_rl.distributed.bridge import RowRoute, TransferStats, WeightBridge, recv_rows, send_rows
-from spmd_rl.distributed.comm import recv_object, send_object, split_even
+from spmd_rl.distributed.bridge import RowRoute, TransferStats, WeightBridge, recv_rows, send_rows, settle
+from spmd_rl.distributed.comm import isend_object, recv_object, send_object, split_even
 from spmd_rl.distributed.dims import RolloutLayout
 from spmd_rl.distributed.pools import PoolSpec
 
@@ -52,7 +53,8 @@ CONTROLLER = 0
 def _spec(pad_token_id: int) -> dict[str, tuple[torch.dtype, float]]:
     """The response tensors a round routes, with their dtypes and pad values."""
     return {"response_ids": (torch.long, pad_token_id), "response_mask": (torch.float32, 0.0),
-            "logprobs": (torch.float32, 0.0), "truncated": (torch.long, 0)}
+            "logprobs": (torch.float32, 0.0), "truncated": (torch.long, 0), "versions": (torch.long, -1),
+            "gen_seconds": (torch.float32, 0.0)}
 
 
 PROMPT_SPEC = {"prompt_ids": (torch.long, 0), "prompt_lengths": (torch.long, 0)}
@@ -128,11 +130,26 @@ def unpack_prompts(t: dict[str, torch.Tensor]) -> list[list[int]]:
     return [row[:n].tolist() for row, n in zip(t["prompt_ids"], t["prompt_lengths"].tolist())]
 
 
+@dataclass
+class Round:
+    """One generation round issued to the rollout pool and not taken back yet."""
+
+    kind: str
+    num_prompts: int
+    n: int
+    pad_token_id: int
+    rows: dict[str, torch.Tensor] | None = None
+    """Received ahead of its turn (a later round was taken first)."""
+
+
 class RolloutLink:
     """One rank's end of the link between the actor pool and the rollout pool.
 
     Built on every rank of both pools (see :func:`spmd_rl.distributed.world.build_run_groups`);
-    ``bridge`` is this rank's weight bridge (None on actor ranks that send no weights).
+    ``bridge`` is this rank's weight bridge (None on actor ranks that send no weights). Rounds are
+    first in, first out: :meth:`issue` sends a round's command and prompts without waiting (the
+    rollout pool may still be busy with earlier rounds), :meth:`take` receives the oldest round's
+    rows; :meth:`generate` is both, for a synchronous step.
     """
 
     def __init__(self, *, routes: RolloutRoutes, bridge: WeightBridge | None, close_timeout_s: float = 60.0) -> None:
@@ -142,20 +159,29 @@ class RolloutLink:
         self.rank = dist.get_rank()
         self._closed = False
         self.last_transfer: TransferStats | None = None
+        self.rounds: list[Round] = []
+        self._pending: list = []  # sends not completed yet, with their buffers
 
     @property
     def rollout_ranks(self) -> list[int]:
         return self.routes.rollout_pool.ranks
 
+    @property
+    def in_flight(self) -> int:
+        """Rounds issued and not taken back."""
+        return len(self.rounds)
+
     def _command(self, *message: Any) -> None:
         if self.rank == CONTROLLER:
+            self._pending = settle(self._pending)
             for r in self.rollout_ranks:
-                send_object(message, r)
+                self._pending += isend_object(message, r)
 
     # ------------------------------------------------------------------ actor side
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Every actor rank calls this with the actor's full tensors (a collective over the actor
-        pool); the ranks holding a bridge send them to the rollout ranks."""
+        pool); the ranks holding a bridge send them to the rollout ranks, which load them after the
+        rounds issued before (so this waits for those to be generated)."""
         self._command("weights", version)
         if self.bridge is not None:
             self.last_transfer = self.bridge.send(named_tensors)
@@ -163,22 +189,47 @@ class RolloutLink:
             for _ in named_tensors:  # the gathers are collective over the actor pool
                 pass
 
-    def generate(self, prompts: list[list[int]] | None, sampling: dict[str, Any], *, kind: str,
-                 num_prompts: int, pad_token_id: int) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
-        """One round: ``prompts`` (all of them, on the controller; None elsewhere) are generated for
-        on the rollout pool; returns this actor rank's ``[start, end)`` row range and its rows."""
-        train = kind == "train"
+    def issue(self, prompts: list[list[int]] | None, sampling: dict[str, Any], *, kind: str, num_prompts: int,
+              pad_token_id: int) -> None:
+        """Start one round: ``prompts`` (all of them, on the controller; None elsewhere) go to the
+        rollout pool, which generates ``sampling["n"]`` responses each when it gets there."""
         self._command("generate", {"kind": kind, "num_prompts": num_prompts, "pad_token_id": pad_token_id, **sampling})
-        routes = self.routes
-        prompt_ranges = routes.prompt_ranges(num_prompts, even=train)
         if self.rank == CONTROLLER:
             assert prompts is not None and len(prompts) == num_prompts
-            send_rows(RowRoute(sources={CONTROLLER: (0, num_prompts)}, dests=prompt_ranges), pack_prompts(prompts),
-                      first_row=0)
-        n = sampling["n"]
-        dests = routes.actor_ranges(num_prompts * n, by_dp=train)
-        route = RowRoute(sources=routes.response_sources(prompt_ranges, n), dests=dests)
-        return dests[self.rank], recv_rows(route, _spec(pad_token_id))
+            route = RowRoute(sources={CONTROLLER: (0, num_prompts)},
+                             dests=self.routes.prompt_ranges(num_prompts, even=kind == "train"))
+            self._pending += send_rows(route, pack_prompts(prompts), first_row=0, wait=False)
+        self.rounds.append(Round(kind, num_prompts, sampling["n"], pad_token_id))
+
+    def take(self, *, last: bool = False) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
+        """The oldest round's rows for this actor rank (the newest with ``last``, the older ones
+        received and kept for their turn): its ``[start, end)`` row range and the tensors
+        (``response_ids``, ``response_mask``, ``logprobs``, ``truncated``, per-token ``versions``:
+        the policy version of the weights that sampled each token; per row ``gen_seconds``: how
+        long its replica generated)."""
+        if not self.rounds:
+            raise RuntimeError("RolloutLink.take: no round in flight")
+        for r in self.rounds[:len(self.rounds) if last else 1]:  # rows arrive in the order rounds were issued
+            if r.rows is None:
+                r.rows = self._receive(r)
+        r = self.rounds.pop(-1 if last else 0)
+        return self._dests(r)[self.rank], r.rows
+
+    def _dests(self, r: Round) -> dict[int, tuple[int, int]]:
+        return self.routes.actor_ranges(r.num_prompts * r.n, by_dp=r.kind == "train")
+
+    def _receive(self, r: Round) -> dict[str, torch.Tensor]:
+        prompt_ranges = self.routes.prompt_ranges(r.num_prompts, even=r.kind == "train")
+        route = RowRoute(sources=self.routes.response_sources(prompt_ranges, r.n), dests=self._dests(r))
+        return recv_rows(route, _spec(r.pad_token_id))
+
+    def generate(self, prompts: list[list[int]] | None, sampling: dict[str, Any], *, kind: str,
+                 num_prompts: int, pad_token_id: int) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
+        """One round, issued and taken (no other round in flight)."""
+        if self.rounds:
+            raise RuntimeError(f"RolloutLink.generate with {len(self.rounds)} rounds in flight: take them first")
+        self.issue(prompts, sampling, kind=kind, num_prompts=num_prompts, pad_token_id=pad_token_id)
+        return self.take()
 
     def close(self, error: str | None = None) -> None:
         """The controller tells every rollout rank to stop, or to abort with ``error``."""
@@ -203,21 +254,27 @@ class RolloutServer:
         self.link, self.engine, self.replica, self.sleep_level = link, engine, replica, sleep_level
         self.where = f"rollout rank {link.rank} ({socket.gethostname()})"
         self.error: str | None = None  # a failure to report at the next round
+        self.version = 0  # the policy version of the weights held
+        self.pending: list = []  # rows sent and not taken yet, with their buffers
 
     def serve(self) -> int:
-        while True:
-            _, (kind, payload) = recv_object(CONTROLLER)
-            if kind == "stop":
-                return 1 if self.error else 0
-            if kind == "abort":
-                log.error("%s: stopping, the trainer failed: %s", self.where, payload)
-                return 1
-            if kind == "weights":
-                self._load_weights()
-            elif kind == "generate":
-                self._generate(payload)
-            else:
-                raise RuntimeError(f"{self.where}: unknown command {kind!r} from the controller")
+        try:
+            while True:
+                _, (kind, payload) = recv_object(CONTROLLER)
+                if kind == "stop":
+                    return 1 if self.error else 0
+                if kind == "abort":
+                    log.error("%s: stopping, the trainer failed: %s", self.where, payload)
+                    return 1
+                if kind == "weights":
+                    self._load_weights()
+                    self.version = int(payload)
+                elif kind == "generate":
+                    self._generate(payload)
+                else:
+                    raise RuntimeError(f"{self.where}: unknown command {kind!r} from the controller")
+        finally:
+            self.pending = settle(self.pending)  # what the trainer never took (it stopped) is dropped
 
     def _load_weights(self) -> None:
         assert self.link.bridge is not None
@@ -238,24 +295,28 @@ class RolloutServer:
         prompts = unpack_prompts(recv_rows(RowRoute(sources={CONTROLLER: (0, p["num_prompts"])}, dests=prompt_ranges),
                                            PROMPT_SPEC))
         n = p["n"]
-        sources = routes.response_sources(prompt_ranges, n)
-        route = RowRoute(sources=sources, dests=routes.actor_ranges(p["num_prompts"] * n, by_dp=train))
+        route = RowRoute(sources=routes.response_sources(prompt_ranges, n),
+                         dests=routes.actor_ranges(p["num_prompts"] * n, by_dp=train))
         first = prompt_ranges[me][0] * n
         tensors: dict[str, torch.Tensor] = {}
         error = self.error
         if error is None and prompts:
             try:
+                start = time.perf_counter()
                 self.engine.wake_up()
                 out = self.engine.generate(prompts, n=n, temperature=p["temperature"], top_p=p["top_p"],
                                            top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
                                            seed=p["seed"] + (self.replica if train else 0))
                 self.engine.sleep(self.sleep_level)
                 tensors = {"response_ids": out.response_ids.cpu(), "response_mask": out.response_mask.float().cpu(),
-                           "logprobs": out.logprobs.float().cpu(), "truncated": out.truncated.long().cpu()}
+                           "logprobs": out.logprobs.float().cpu(), "truncated": out.truncated.long().cpu(),
+                           "versions": torch.full(out.response_ids.shape, self.version, dtype=torch.long),
+                           "gen_seconds": torch.full((len(prompts) * n,), time.perf_counter() - start)}
             except Exception as e:  # noqa: BLE001 - the actor ranks raise it
                 error = self.error = f"{self.where}: generation failed: {type(e).__name__}: {e}"
                 log.exception("%s: generation failed", self.where)
-        send_rows(route, tensors, first_row=first, error=error)
+        # Not waited for: the actor pool takes the rows when its schedule gets there.
+        self.pending = settle(self.pending) + send_rows(route, tensors, first_row=first, error=error, wait=False)
 
 
 def serve_rollout_pool(*, engine: Any, link: RolloutLink, replica: int, sleep_level: int) -> int:
@@ -263,5 +324,5 @@ def serve_rollout_pool(*, engine: Any, link: RolloutLink, replica: int, sleep_le
     return RolloutServer(link=link, engine=engine, replica=replica, sleep_level=sleep_level).serve()
 
 
-__all__ = ["CONTROLLER", "PROMPT_SPEC", "RolloutLink", "RolloutRoutes", "RolloutServer", "pack_prompts", "routes_of",
+__all__ = ["CONTROLLER", "PROMPT_SPEC", "Round", "RolloutLink", "RolloutRoutes", "RolloutServer", "pack_prompts", "routes_of",
            "serve_rollout_pool", "unpack_prompts"]
