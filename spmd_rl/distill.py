@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.data.batch import RolloutBatch
-from spmd_rl.distributed.bridge import RowRoute, recv_rows, send_rows
-from spmd_rl.distributed.comm import recv_object, send_object, split_even
+from spmd_rl.distributed.bridge import RowRoute, pack_prompts, recv_rows, send_rows, unpack_prompts
+from spmd_rl.distributed.comm import recv_object, send_object, split_even, tell_servers
 from spmd_rl.distributed.pools import PoolSpec
 
 log = logging.getLogger("spmd_rl")
@@ -48,17 +48,13 @@ def check_tokenizers(student: Any, teacher: Any, *, student_path: str, teacher_p
 
 
 def _pack(batch: RolloutBatch) -> dict[str, torch.Tensor]:
-    width = max((len(p) for p in batch.prompts), default=0)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, p in enumerate(batch.prompts):
-        ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-    return {"prompt_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in batch.prompts], dtype=torch.long),
-            "response_ids": batch["response_ids"], "response_mask": batch["response_mask"].float()}
+    return {**pack_prompts(batch.prompts), "response_ids": batch["response_ids"],
+            "response_mask": batch["response_mask"].float()}
 
 
 def _unpack(t: dict[str, torch.Tensor]) -> RolloutBatch:
-    prompts = [row[:n].tolist() for row, n in zip(t["prompt_ids"], t["prompt_lengths"].tolist())]
-    return RolloutBatch(prompts=prompts, tensors={"response_ids": t["response_ids"], "response_mask": t["response_mask"]})
+    return RolloutBatch(prompts=unpack_prompts(t), tensors={"response_ids": t["response_ids"],
+                                                            "response_mask": t["response_mask"]})
 
 
 @dataclass(frozen=True)
@@ -105,16 +101,10 @@ class TeacherLink:
         return torch.nn.functional.pad(lp, (0, width - lp.shape[1])) if lp.shape[1] < width else lp[:, :width]
 
     def close(self, error: str | None = None) -> None:
-        if self._closed or self.rank != CONTROLLER:
-            self._closed = True
-            return
+        """The controller tells every teacher rank to stop, or to abort with ``error``."""
+        if not self._closed and self.rank == CONTROLLER:
+            tell_servers(self.routes.teacher_pool.ranks, error, timeout_s=self.close_timeout_s, role="teacher")
         self._closed = True
-        message = ("stop", None) if error is None else ("abort", error)
-        for r in self.routes.teacher_pool.ranks:
-            try:
-                send_object(message, r, timeout_s=self.close_timeout_s)
-            except RuntimeError as e:
-                log.warning("could not tell teacher rank %d to %s: %s", r, message[0], e)
 
 
 class TeacherServer:

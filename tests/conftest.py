@@ -28,3 +28,29 @@ def _restore_spmd_rl_logger():
     saved = (logger.handlers[:], logger.level, logger.propagate)
     yield
     logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+
+
+# ---- tests that need the machine to themselves
+# Under ``pytest -n 2`` two tests run at once. A test marked ``alone`` (one that measures how two of
+# its processes overlap in time) holds an exclusive lock while every other test holds a shared one,
+# so it never runs beside another test; without xdist the lock is never contended.
+import fcntl  # noqa: E402
+import tempfile  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "alone: run with no other test beside it (under pytest-xdist)")
+
+
+@pytest.fixture(autouse=True)
+def _machine_share(request: pytest.FixtureRequest):
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    with open(os.path.join(tempfile.gettempdir(), f"spmd_rl-tests-{run}.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if request.node.get_closest_marker("alone") else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import statistics
 
+import pytest
+
 from test_pools import run_ok
 from test_train_e2e import read_metrics
 
@@ -47,15 +49,17 @@ def test_resume_with_rounds_in_flight(tmp_path):
     assert [resumed[s]["async/staleness/max"] for s in (4, 5, 6)] == [0, 1, 2]
 
 
+@pytest.mark.alone  # it measures two processes side by side: no other test's processes beside them
 def test_generation_overlaps_the_update(tmp_path):
-    """One actor and one rollout process (one core each), generation and update of comparable
-    length: a one-step-off step takes clearly less than generating plus updating, which is what a
-    synchronous step costs (both measured in the same run, so a busy machine slows both)."""
+    """One actor and one rollout process (one core each): a one-step-off step takes clearly less than
+    the rollout's generation plus the actor's own work (the step less its waits), which is what a
+    synchronous step costs; both are measured in the same run."""
     out = str(tmp_path / "run")
     run_ok(out, *POOL, "--rollout.max-new-tokens", "48", "--rollout.ignore-eos", "--trainer.total-steps", "8",
            "--actor.micro-batch-size", "8", "--trainer.max-staleness", "1", nproc=2)
     rows = [m for m in read_metrics(out) if m["step"] >= 3 and "timing_s/step" in m]
     step = statistics.median(m["timing_s/step"] for m in rows)
-    serial = statistics.median(m["async/rollout_busy_s"] + m["timing_s/update"] for m in rows)
-    assert step < 0.85 * serial, f"one-step-off {step:.3f} s/step against generate + update {serial:.3f} s"
-    assert statistics.median(m["async/rollout_idle_frac"] for m in rows) < 0.5
+    serial = statistics.median(m["async/rollout_busy_s"] + m["timing_s/step"] - m["timing_s/wait_rollout"]
+                               - m["timing_s/wait_weights"] for m in rows)
+    assert step < 0.8 * serial, f"one-step-off {step:.3f} s/step against generation + actor work {serial:.3f} s"
+    assert statistics.median(m["async/actor_idle_frac"] for m in rows) < 0.2  # generation hides behind the update

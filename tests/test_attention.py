@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import (
     GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-    Qwen2ForCausalLM,
+    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
 from spmd_rl.engine import attention, ulysses
@@ -29,6 +29,8 @@ MODELS = {
                                                            **COMMON)),
     "qwen2-gqa-tied": lambda: Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=3, tie_word_embeddings=True,
                                                            use_sliding_window=False, **COMMON)),
+    "qwen3-gqa-qknorm": lambda: Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=3, head_dim=8, use_sliding_window=False,
+                                                             **COMMON)),
     "mistral-mha": lambda: MistralForCausalLM(MistralConfig(num_key_value_heads=6, sliding_window=None, **COMMON)),
 }
 # two packed rows: sequences of 3 and 2 tokens then one padding token, and one sequence of 6

@@ -1,6 +1,6 @@
 """The fast decode path (spmd_rl/rollout/fast.py) against the Hugging Face decode loop of NativeRollout.
 
-Run with ``python3 -m pytest tests/test_rollout_fast.py -q``. Tiny random Llama / Qwen2 / Mistral
+Run with ``python3 -m pytest tests/test_rollout_fast.py -q``. Tiny random Llama / Qwen2 / Qwen3 / Mistral
 models are built from configs (fp32 on CPU; the CUDA variants run where a GPU is present, with CUDA
 graphs). Prompts are random ids of different lengths, so chunks are left-padded; a small
 ``batch_size`` gives several chunks and batch buckets, and an EOS id that some rows produce early
@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import (
     GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-    Qwen2ForCausalLM,
+    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
 from spmd_rl.models import load_causal_lm
@@ -38,6 +38,8 @@ SHAPES = {
     "qwen2-gqa-tied": (Qwen2ForCausalLM, Qwen2Config(num_key_value_heads=1, tie_word_embeddings=True,
                                                      use_sliding_window=False, **COMMON)),
     "qwen2-gqa-untied": (Qwen2ForCausalLM, Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False,
+                                                       use_sliding_window=False, **COMMON)),
+    "qwen3-gqa-qknorm": (Qwen3ForCausalLM, Qwen3Config(num_key_value_heads=2, tie_word_embeddings=True, head_dim=16,
                                                        use_sliding_window=False, **COMMON)),
 }
 LENGTHS = [3, 9, 1, 14, 6, 11]
@@ -229,7 +231,7 @@ def test_fallbacks_are_logged_and_use_the_hf_loop(root: Path, prompts, caplog: p
     gpt2 = build(root, "gpt2", GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
     with caplog.at_level(logging.WARNING, logger="spmd_rl"):
         assert engine(gpt2)._fast is None
-    assert "fast decode is off (model_type 'gpt2' is not one of ('llama', 'qwen2', 'mistral'))" in caplog.text
+    assert "fast decode is off (model_type 'gpt2' is not one of ('llama', 'qwen2', 'qwen3', 'mistral'))" in caplog.text
 
     mistral = build(root, "mistral-window", MistralForCausalLM, MistralConfig(num_key_value_heads=2,
                                                                               sliding_window=12, **COMMON))

@@ -171,6 +171,23 @@ def recv_rows(route: RowRoute, spec: Mapping[str, tuple[torch.dtype, float]]) ->
     return out
 
 
+PROMPT_SPEC = {"prompt_ids": (torch.long, 0), "prompt_lengths": (torch.long, 0)}
+"""Token lists (prompts) as routed tensors: right-padded ids and their lengths."""
+
+
+def pack_prompts(prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Right-padded prompt ids and their lengths."""
+    width = max((len(p) for p in prompts), default=0)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    return {"prompt_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in prompts], dtype=torch.long)}
+
+
+def unpack_prompts(t: dict[str, torch.Tensor]) -> list[list[int]]:
+    return [row[:n].tolist() for row, n in zip(t["prompt_ids"], t["prompt_lengths"].tolist())]
+
+
 # --------------------------------------------------------------------------- weights
 
 
@@ -288,4 +305,5 @@ def _rebuild_ipc(handle: tuple) -> torch.Tensor:
     return fn(*args)
 
 
-__all__ = ["RowRoute", "TransferStats", "WeightBridge", "recv_rows", "send_rows", "settle"]
+__all__ = ["PROMPT_SPEC", "RowRoute", "TransferStats", "WeightBridge", "pack_prompts", "recv_rows", "send_rows", "settle",
+           "unpack_prompts"]

@@ -156,6 +156,17 @@ def recv_object(src: int | None = None) -> tuple[int, Any]:
     return sender, pickle.loads(payload.numpy().tobytes())
 
 
+def tell_servers(ranks: Sequence[int], error: str | None, *, timeout_s: float, role: str) -> None:
+    """Tell each serving rank of a pool to ``stop`` (``error`` None) or to ``abort`` with ``error``;
+    at most ``timeout_s`` per rank (a dead or busy one is skipped with a warning)."""
+    message = ("stop", None) if error is None else ("abort", error)
+    for r in ranks:
+        try:
+            send_object(message, r, timeout_s=timeout_s)
+        except RuntimeError as e:
+            log.warning("could not tell %s rank %d to %s: %s", role, r, message[0], e)
+
+
 def split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
     """``parts`` contiguous slices whose lengths differ by at most one (earlier ones longer)."""
     base, extra = divmod(len(items), parts)

@@ -1,4 +1,4 @@
-"""The FSDP engine's attention forward for Llama / Qwen2 / Mistral: HF's math, the kernels' layout.
+"""The FSDP engine's attention forward for Llama / Qwen2 / Qwen3 / Mistral: HF's math, the kernels' layout.
 
     install(model)                               # every self_attn.forward -> natural_layout_forward
 
@@ -24,18 +24,19 @@ import torch
 
 from . import ulysses
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def install(model: torch.nn.Module) -> bool:
     """Give every decoder layer's attention :func:`natural_layout_forward`; False (nothing changed) when
-    the model is not a Llama / Qwen2 / Mistral shape with plain q/k/v/o projections."""
+    the model is not a Llama / Qwen2 / Qwen3 / Mistral shape with plain q/k/v/o projections."""
     if getattr(model.config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
     layers = getattr(getattr(model, "model", None), "layers", None) or []
     attns = [getattr(layer, "self_attn", None) for layer in layers]
     needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
-    if not attns or not all(all(hasattr(a, n) for n in needed) and not hasattr(a, "q_norm") for a in attns):
+    if not attns or not all(all(hasattr(a, n) for n in needed) and hasattr(a, "q_norm") == hasattr(a, "k_norm")
+                            for a in attns):
         return False
     for attn in attns:
         attn.forward = types.MethodType(natural_layout_forward, attn)
@@ -51,10 +52,12 @@ def natural_layout_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
                            position_embeddings: tuple[torch.Tensor, torch.Tensor],
                            attention_mask: torch.Tensor | None, past_key_values=None,
                            **kwargs) -> tuple[torch.Tensor, None]:
-    """HF's Llama / Qwen2 / Mistral attention forward with RoPE on ``[b, s, heads, d]`` (module docstring)."""
+    """HF's Llama / Qwen2 / Qwen3 / Mistral attention forward with RoPE on ``[b, s, heads, d]`` (module docstring)."""
     b, s = hidden_states.shape[:2]
     q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
     q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+    if hasattr(self, "q_norm"):  # Qwen3: an RMSNorm over each head of q and of k, before RoPE, on this layout
+        q, k = self.q_norm(q), self.k_norm(k)
     cos, sin = (t.unsqueeze(2) for t in position_embeddings)  # [b, s, 1, d]
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin

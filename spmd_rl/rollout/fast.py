@@ -1,4 +1,4 @@
-"""Fast decode for Llama / Qwen2 / Mistral-shaped models: static KV cache, graph-captured step, compaction.
+"""Fast decode for Llama / Qwen2 / Qwen3 / Mistral-shaped models: static KV cache, graph-captured step, compaction.
 
     fast = FastDecoder(hf_model, device=device, max_batch=64, pad_token_id=0)    # see unsupported_reason()
     tokens, mask, logprobs, truncated = fast.generate_chunk(rows, temperature=1.0, top_k=0, top_p=1.0,
@@ -65,7 +65,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class FastDecoder:
-    """Static-cache, graph-captured decoding over a HF Llama / Qwen2 / Mistral model (module docstring)."""
+    """Static-cache, graph-captured decoding over a HF Llama / Qwen2 / Qwen3 / Mistral model (module docstring)."""
 
     _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_slot", "_col", "_row_of", "_finished", "_temp", "_u", "_scaled",
                      "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin")
@@ -96,7 +96,7 @@ class FastDecoder:
         # the function for the config's hidden_act (the same one every layer's act_fn applies), else that module
         act = ACTIVATIONS.get(getattr(config, "hidden_act", None)) or self.layers[0].mlp.act_fn
         self.attn_in, self.attn_out = layer_functions(
-            qk_heads=self.heads + self.kv_heads, head_dim=self.head_dim, act=act,
+            qk_heads=self.heads + self.kv_heads, q_heads=self.heads, head_dim=self.head_dim, act=act,
             intermediate=self.layers[0].mlp.up_proj.out_features)
         self.compile_layers = compile_layers
         # the decode step's halves: compiled (dynamic in the rows, so one artifact for every bucket) or not
@@ -177,8 +177,12 @@ class FastDecoder:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, eps=norm.variance_epsilon)
 
     def _in(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn: Callable) -> tuple:
-        norm = self.layers[i].input_layernorm
-        return fn(x, norm.weight, norm.variance_epsilon, self.qkv[i].weight, self.qkv[i].bias, cos, sin)
+        norm, attn = self.layers[i].input_layernorm, self.layers[i].self_attn
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
+        if qn is None:
+            return fn(x, norm.weight, norm.variance_epsilon, self.qkv[i].weight, self.qkv[i].bias, cos, sin)
+        return fn(x, norm.weight, norm.variance_epsilon, self.qkv[i].weight, self.qkv[i].bias, cos, sin,
+                  qn.weight, kn.weight, qn.variance_epsilon)
 
     def _out(self, i: int, x: torch.Tensor, o: torch.Tensor, fn: Callable) -> torch.Tensor:
         layer = self.layers[i]

@@ -1,7 +1,7 @@
 """The pieces of the fast decoder (:mod:`spmd_rl.rollout.fast`) that are about the model, not the loop.
 
-* :func:`unsupported_reason`: whether a Hugging Face causal LM has the Llama / Qwen2 / Mistral shape
-  the fast path computes (and why not);
+* :func:`unsupported_reason`: whether a Hugging Face causal LM has the Llama / Qwen2 / Qwen3 / Mistral
+  shape the fast path computes (and why not);
 * :class:`Fused`: ``nn.Linear`` modules of one input as one GEMM, the modules' parameters becoming
   views of the fused tensor (hot-swap by HF name keeps working);
 * :func:`layer_functions`: a decoder layer's two halves around attention as pure functions of
@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # RoPE types whose cos/sin depend on the position only (dynamic / longrope rescale with the length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # hidden_act -> a plain function equal to what HF's ACT2FN gives for that name (others use the layer's act_fn)
@@ -43,12 +43,13 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"):
             if not hasattr(attn, name):
                 return f"layer {i} attention has no {name}"
-        for name in ("q_norm", "k_norm"):
-            if hasattr(attn, name):
-                return f"layer {i} attention has {name} (not a Llama / Qwen2 / Mistral attention)"
+        norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+        if any(n is not None for n in norms) and not all(  # Qwen3: an RMSNorm over each head of q and of k
+                hasattr(n, "variance_epsilon") and tuple(n.weight.shape) == (attn.head_dim,) for n in norms):
+            return f"layer {i} attention's q_norm / k_norm are not both RMSNorms over head_dim"
         for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
             if not hasattr(mlp, name):
-                return f"layer {i} MLP has no {name} (not a gated Llama / Qwen2 / Mistral MLP)"
+                return f"layer {i} MLP has no {name} (not a gated Llama / Qwen2 / Qwen3 / Mistral MLP)"
         if mlp.gate_proj.out_features != mlp.up_proj.out_features:
             return f"layer {i} MLP has gate and up projections of different widths"
         if mlp.up_proj.out_features != inner.layers[0].mlp.up_proj.out_features:
@@ -72,21 +73,25 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-def layer_functions(*, qk_heads: int, head_dim: int, intermediate: int,
-                    act: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Callable, Callable]:
+def layer_functions(*, qk_heads: int, head_dim: int, intermediate: int, act: Callable[[torch.Tensor], torch.Tensor],
+                    q_heads: int | None = None) -> tuple[Callable, Callable]:
     """The two halves of a decoder layer around attention, for one model's constants, as pure functions
     (compiled as they are, or run eagerly):
 
-    * ``attn_in(x, norm, eps, w, b, cos, signed_sin) -> (qk, v)``: RMSNorm, the fused q/k/v GEMM and RoPE
-      on q and k together: ``x [..., h]`` -> ``qk [..., H + Hkv, D]`` (rotated) and ``v [..., Hkv, D]``;
+    * ``attn_in(x, norm, eps, w, b, cos, signed_sin, q_norm, k_norm, qk_eps) -> (qk, v)``: RMSNorm, the fused
+      q/k/v GEMM, Qwen3's per-head RMSNorm of q and k (``q_norm`` / ``k_norm`` weights, None elsewhere) and
+      RoPE on q and k together: ``x [..., h]`` -> ``qk [..., H + Hkv, D]`` (rotated) and ``v [..., Hkv, D]``;
     * ``attn_out(x, o, o_w, o_b, norm, eps, gate_up_w, gate_up_b, down_w, down_b) -> x``: o_proj and the
       residual, RMSNorm, the fused gate/up GEMM, the activation times up, down_proj and the residual.
     """
     split, activation = qk_heads * head_dim, act
 
-    def attn_in(x, norm, eps, w, b, cos, signed_sin):
+    def attn_in(x, norm, eps, w, b, cos, signed_sin, q_norm=None, k_norm=None, qk_eps=0.0):
         qkv = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps=eps), w, b)
         qk = qkv[..., :split].unflatten(-1, (qk_heads, head_dim))
+        if q_norm is not None:  # Qwen3: each head of q and of k normalised before RoPE
+            qk = torch.cat([F.rms_norm(qk[..., :q_heads, :], (head_dim,), q_norm, eps=qk_eps),
+                            F.rms_norm(qk[..., q_heads:, :], (head_dim,), k_norm, eps=qk_eps)], dim=-2)
         return rope(qk, cos, signed_sin), qkv[..., split:].unflatten(-1, (-1, head_dim))
 
     def attn_out(x, o, o_w, o_b, norm, eps, gate_up_w, gate_up_b, down_w, down_b):

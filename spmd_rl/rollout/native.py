@@ -18,7 +18,7 @@ has stopped.
 
 Two decode loops, the same outputs (greedy: token for token; tests/test_rollout_fast.py):
 
-* the fast path (:mod:`spmd_rl.rollout.fast`, on by default for Llama / Qwen2 / Mistral shapes, CPU
+* the fast path (:mod:`spmd_rl.rollout.fast`, on by default for Llama / Qwen2 / Qwen3 / Mistral shapes, CPU
   and GPU): static KV cache, the decode step as a CUDA graph per batch bucket (its layers compiled
   on CUDA), finished rows compacted into smaller buckets. ``sleep`` frees its cache and graphs,
   ``wake_up`` reallocates;

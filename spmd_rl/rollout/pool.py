@@ -39,8 +39,10 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from spmd_rl.distributed.bridge import RowRoute, TransferStats, WeightBridge, recv_rows, send_rows, settle
-from spmd_rl.distributed.comm import isend_object, recv_object, send_object, split_even
+from spmd_rl.distributed.bridge import (
+    PROMPT_SPEC, RowRoute, TransferStats, WeightBridge, pack_prompts, recv_rows, send_rows, settle, unpack_prompts,
+)
+from spmd_rl.distributed.comm import isend_object, recv_object, split_even, tell_servers
 from spmd_rl.distributed.dims import RolloutLayout
 from spmd_rl.distributed.pools import PoolSpec
 
@@ -55,9 +57,6 @@ def _spec(pad_token_id: int) -> dict[str, tuple[torch.dtype, float]]:
     return {"response_ids": (torch.long, pad_token_id), "response_mask": (torch.float32, 0.0),
             "logprobs": (torch.float32, 0.0), "truncated": (torch.long, 0), "versions": (torch.long, -1),
             "gen_seconds": (torch.float32, 0.0)}
-
-
-PROMPT_SPEC = {"prompt_ids": (torch.long, 0), "prompt_lengths": (torch.long, 0)}
 
 
 @dataclass(frozen=True)
@@ -115,19 +114,6 @@ def routes_of(plan: Any) -> RolloutRoutes:
     actor = plan.global_pool
     return RolloutRoutes(rollout=plan.rollout, rollout_pool=plan.rollout_pool, actor_pool=actor,
                          actor_dp=tuple(plan.dp_rank(k) for k in range(actor.size)))
-
-
-def pack_prompts(prompts: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Right-padded prompt ids and their lengths."""
-    width = max((len(p) for p in prompts), default=0)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
-    return {"prompt_ids": ids, "prompt_lengths": torch.tensor([len(p) for p in prompts], dtype=torch.long)}
-
-
-def unpack_prompts(t: dict[str, torch.Tensor]) -> list[list[int]]:
-    return [row[:n].tolist() for row, n in zip(t["prompt_ids"], t["prompt_lengths"].tolist())]
 
 
 @dataclass
@@ -233,17 +219,9 @@ class RolloutLink:
 
     def close(self, error: str | None = None) -> None:
         """The controller tells every rollout rank to stop, or to abort with ``error``."""
-        if self._closed:
-            return
+        if not self._closed and self.rank == CONTROLLER:
+            tell_servers(self.rollout_ranks, error, timeout_s=self.close_timeout_s, role="rollout")
         self._closed = True
-        if self.rank != CONTROLLER:
-            return
-        message = ("stop", None) if error is None else ("abort", error)
-        for r in self.rollout_ranks:
-            try:
-                send_object(message, r, timeout_s=self.close_timeout_s)
-            except RuntimeError as e:
-                log.warning("could not tell rollout rank %d to %s: %s", r, message[0], e)
 
 
 class RolloutServer:
@@ -324,5 +302,4 @@ def serve_rollout_pool(*, engine: Any, link: RolloutLink, replica: int, sleep_le
     return RolloutServer(link=link, engine=engine, replica=replica, sleep_level=sleep_level).serve()
 
 
-__all__ = ["CONTROLLER", "PROMPT_SPEC", "Round", "RolloutLink", "RolloutRoutes", "RolloutServer", "pack_prompts", "routes_of",
-           "serve_rollout_pool", "unpack_prompts"]
+__all__ = ["CONTROLLER", "Round", "RolloutLink", "RolloutRoutes", "RolloutServer", "routes_of", "serve_rollout_pool"]
