@@ -260,13 +260,17 @@ def gspo(
     loss = aggregate(
         final, response_mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs
     )
+    return loss, _clip_metrics(pg2 > pg1, neg_approx_kl, response_mask, final.dtype)
+
+
+def _clip_metrics(clipped: torch.Tensor, neg_approx_kl: torch.Tensor, mask: torch.Tensor,
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The detached local token means a single-clip policy loss reports: ``pg_clipfrac`` (share of
+    tokens clipped), ``ppo_kl`` (mean old - new log-prob) and ``pg_clipfrac_lower`` (0: no dual clip)."""
     with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": _masked_mean((pg2 > pg1).to(final.dtype), response_mask),
-            "ppo_kl": _masked_mean(-neg_approx_kl, response_mask),
-            "pg_clipfrac_lower": torch.zeros((), dtype=final.dtype, device=final.device),
-        }
-    return loss, {k: v.detach() for k, v in metrics.items()}
+        return {"pg_clipfrac": _masked_mean(clipped.to(dtype), mask).detach(),
+                "ppo_kl": _masked_mean(-neg_approx_kl, mask).detach(),
+                "pg_clipfrac_lower": torch.zeros((), dtype=dtype, device=clipped.device)}
 
 
 def cispo(
@@ -301,13 +305,7 @@ def cispo(
     per_token = _apply_token_weights(per_token, token_weights)
 
     loss = aggregate(per_token, mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": _masked_mean((ratio != clipped_ratio).to(per_token.dtype), mask),
-            "ppo_kl": _masked_mean(-neg_approx_kl, mask),
-            "pg_clipfrac_lower": torch.zeros((), dtype=per_token.dtype, device=per_token.device),
-        }
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    return loss, _clip_metrics(ratio != clipped_ratio, neg_approx_kl, mask, per_token.dtype)
 
 
 def value_loss(
