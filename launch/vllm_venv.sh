@@ -61,7 +61,9 @@ version() { "$1" -c 'import sys; print(sys.version)'; }
 
 if [[ $INSTALL == 1 && -x $VPY ]] && [[ $(version "$VPY") == "$(version "$PY")" ]]; then
     link_env
-    if "$VPY" -c "import vllm" >/dev/null 2>&1; then
+    # Some of vLLM's dependencies came from the environment the venv was made over, and may be missing
+    # from this one: reuse it only when what the rollout imports imports here (else it is made again).
+    if "$VPY" -c "from vllm import LLM, SamplingParams" >/dev/null 2>&1; then
         echo "vllm_venv.sh: reusing $ENV_DIR"
         exit 0
     fi

@@ -55,7 +55,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -113,6 +113,7 @@ class Checkpointer:
         self.rank = dist.get_rank() if distributed else 0
         self.is_coordinator = (dist.get_rank(group) if distributed else 0) == 0
         self.components: dict[str, Stateful] = {}
+        self.optional: set[str] = set()
         self.export: Callable[[], dict[str, torch.Tensor]] | None = None
         self.model_folder: str | None = None
         self.output_dir = Path(output_dir)
@@ -219,12 +220,15 @@ class Checkpointer:
         found = all_gather_objects((hashed, parsed), self.group)
         return [p for h, _ in found for p in h] or [p for _, s in found for p in s]
 
-    def track(self, *, model_folder: str | None = None,
-              export: Callable[[], dict[str, torch.Tensor]] | None = None, **components: Stateful) -> None:
+    def track(self, *, model_folder: str | None = None, export: Callable[[], dict[str, torch.Tensor]] | None = None,
+              optional: Iterable[str] = (), **components: Stateful) -> None:
         """Name the objects whose ``state_dict()`` a checkpoint holds, the model folder whose config and
         tokenizer files are copied next to the weights, and ``export``: full HF-named weights saved
-        under :data:`EXPORT` for ``spmd_rl.export`` and never loaded (the actor's ``export_weights``)."""
+        under :data:`EXPORT` for ``spmd_rl.export`` and never loaded (the actor's ``export_weights``).
+        ``optional`` components keep their state when a checkpoint has none for them (one saved by a
+        run that did not track them)."""
         self.components.update(components)
+        self.optional.update(optional)
         if model_folder is not None:
             self.model_folder = model_folder
         if export is not None:
@@ -240,16 +244,18 @@ class Checkpointer:
             return 0
         start = time.perf_counter()
         meta = read_meta(self.source)
-        missing = sorted(set(self.components) - set(meta.get("components", [])))
+        saved = set(meta.get("components", []))
+        missing = sorted(set(self.components) - saved - self.optional)
         if missing:
             raise ValueError(f"checkpoint {self.source} has no state for {missing}; it holds {meta.get('components')}")
-        states = {name: comp.state_dict() for name, comp in self.components.items()}
+        loading = {name: comp for name, comp in self.components.items() if name in saved}
+        states = {name: comp.state_dict() for name, comp in loading.items()}
         try:
             dcp.load(states, storage_reader=dcp.FileSystemReader(str(self.source)), planner=SafeLoadPlanner(),
                      process_group=self.group)
         except (Exception, CheckpointException) as e:  # DCP's error is a BaseException, raised on every rank
             raise RuntimeError(f"loading checkpoint {self.source} failed: {_describe(e)}") from e
-        for name, comp in self.components.items():
+        for name, comp in loading.items():
             comp.load_state_dict(states[name])
         rng_file = self.source / "rng" / f"rank_{self.rank}.json"
         if rng_file.is_file():

@@ -144,11 +144,10 @@ class InFlight:
         return out
 
     def state_dict(self) -> dict:
-        return {"rounds": [[step, *indices] for step, indices in self.rounds], "next_step": self.next_step}
+        return {"rounds": [[step, *indices] for step, indices in self.rounds]}
 
     def load_state_dict(self, state: dict) -> None:
         self.restored = [(int(r[0]), [int(i) for i in r[1:]]) for r in state["rounds"]]
-        self.next_step = self.restored[0][0] if self.restored else int(state["next_step"])
 
 
 class Trainer:
@@ -195,7 +194,8 @@ class Trainer:
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.step = 0
         self.checkpointer.track(model_folder=self.model_folder, export=self.actor.export_weights,
-                                actor=self.actor, sampler=self.sampler, **({"in_flight": self.in_flight} if self.staleness else {}))
+                                actor=self.actor, sampler=self.sampler, optional=["in_flight"],  # none: nothing in flight
+                                **({"in_flight": self.in_flight} if self.staleness else {}))
         self.checkpointer.check_writable(checkpoint_bytes(  # before the first step, not at the first save
             model_parameters(self.model_folder), hf_copy=engine_spec(cfg.actor.engine).export_copy))
 
@@ -252,7 +252,9 @@ class Trainer:
             self.sink.log(self.validate(), self.step)
         if self.staleness:  # rounds in flight: those a checkpoint held (regenerated), then up to S + 1
             self.sync_weights()
-            for step, indices in self.in_flight.reissue():
+            restored = self.in_flight.reissue()
+            self.in_flight.next_step = restored[0][0] if restored else self.step + 1
+            for step, indices in restored:
                 self.issue(step, indices)
             while self.in_flight.next_step <= min(self.step + self.staleness + 1, cfg.total_steps):
                 self.issue(self.in_flight.next_step)

@@ -67,12 +67,14 @@ def test_rollout_pool_matches_colocated(tmp_path):
     assert len(base) == 6 and sum("val/accuracy" in m for m in base) == 3  # 3 steps; validation at 0, 2, 3
     assert_same(base, learning_metrics(str(tmp_path / "pool")), "rollout pool")
     assert_same(base, learning_metrics(str(tmp_path / "shared")), "rollout pool, 2 processes per device")
-    # the colocated run's checkpoint resumes with a rollout pool: the pool holds no trained state and
-    # gets the resumed actor's weights before it generates
-    err = run_ok(str(tmp_path / "colocated"), "--trainer.total-steps", "4", "--trainer.val-every", "0",
-                 "--pools.rollout-ranks", "2", nproc=4)
+    # the colocated run's checkpoint resumes with a rollout pool, and asynchronous: the pool holds no
+    # trained state and gets the resumed actor's weights before it generates; nothing was in flight
+    err = run_ok(str(tmp_path / "colocated"), "--trainer.total-steps", "5", "--trainer.val-every", "0",
+                 "--pools.rollout-ranks", "2", "--trainer.max-staleness", "1", nproc=4)
     assert "resumed from" in err, err[-3000:]
-    assert [m["step"] for m in read_metrics(str(tmp_path / "colocated")) if "critic/score/mean" in m] == [1, 2, 3, 4]
+    resumed = [m for m in read_metrics(str(tmp_path / "colocated")) if "critic/score/mean" in m]
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5]
+    assert [m["async/staleness/max"] for m in resumed[3:]] == [0, 1]  # from the resumed weights (version 3)
 
 
 def test_teacher_distillation_colocated_and_on_a_pool(tmp_path):
