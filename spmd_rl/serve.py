@@ -27,7 +27,7 @@ def serve_pool(cfg: Config, env: DistEnv, groups: RunGroups) -> int:
     if groups.in_rollout_pool:
         from spmd_rl.rollout import build_rollout_from_config
         from spmd_rl.rollout.pool import serve_rollout_pool
-        from spmd_rl.trainer import rollout_seed
+        from spmd_rl.step import rollout_seed
 
         assert groups.rollout_link is not None
         folder = resolve_model_path(cfg.model.path, cache_dir=cfg.model.cache_dir)

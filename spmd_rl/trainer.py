@@ -34,10 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Iterator
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -52,102 +49,19 @@ from spmd_rl.data.prompts import render_prompts
 from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.distributed.comm import all_gather_objects, broadcast_object, fail_together, relayout
 from spmd_rl.distributed.env import DistEnv, format_rank_table
-from spmd_rl.distributed.plan import Plan, plan
-from spmd_rl.distributed import watchdog
+from spmd_rl.distributed.plan import plan
 from spmd_rl.distributed.pools import GLOBAL
 from spmd_rl.distributed.world import RunGroups, build_run_groups
 from spmd_rl.distill import TeacherLink, check_tokenizers
 from spmd_rl.engine import build_engine, build_teacher, engine_spec
 from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, grpo_step_flops, peak_flops, phase_mfu
 from spmd_rl.models import FlopsModel, eos_token_ids, load_tokenizer, resolve_model_path
-from spmd_rl.profiling import STAGE_PREFIX, format_stage_times, profiled, stage_times
+from spmd_rl.profiling import format_stage_times, profiled, stage_times
 from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout_from_config
+from spmd_rl.step import InFlight, Placement, StageTimer, rollout_seed
 
 log = logging.getLogger("spmd_rl")
-
-
-class StageTimer:
-    """Seconds per stage of one step; each stage is also a profiler range and a watchdog heartbeat
-    (:mod:`spmd_rl.distributed.watchdog`: a rank stuck in a stage is named, not waited for)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        with torch.profiler.record_function(STAGE_PREFIX + name), watchdog.current().stage(name, self.step):
-            yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where this rank's rows are in the rollout and the actor layouts (global-pool-local ranks).
-
-    The tp x pp ranks of one rollout replica generate the same rows and each keeps a contiguous
-    share (its ``mp`` rank), so the rank order (dp, mp) = pool rank order is the global row order.
-    The actor's dp ranks then take their rows from that order (:func:`relayout`)."""
-
-    rollout_dp: int
-    rollout_dp_size: int
-    rollout_mp: int
-    rollout_mp_size: int
-    actor_dp: int
-    actor_dp_size: int
-    sum_weight: float
-    """1.0 on the one rank of each actor dp group that adds its rows to sums over the pool, else 0.0."""
-
-    @classmethod
-    def of(cls, p: Plan, rank: int) -> Placement:
-        if p.rollout_separate:  # rows arrive from the rollout pool already in the actor's layout
-            dp = p.dp_rank(rank)
-            return cls(rollout_dp=dp, rollout_dp_size=p.dp_size, rollout_mp=0, rollout_mp_size=1, actor_dp=dp,
-                       actor_dp_size=p.dp_size, sum_weight=float(p.counts_in_sums(rank)))
-        c = p.rollout.coords(rank)
-        return cls(rollout_dp=c["dp"], rollout_dp_size=p.rollout_dp_size, rollout_mp=c["pp"] * p.rollout.tp + c["tp"],
-                   rollout_mp_size=p.rollout.tp * p.rollout.pp, actor_dp=p.dp_rank(rank), actor_dp_size=p.dp_size,
-                   sum_weight=float(p.counts_in_sums(rank)))
-
-    def rollout_source(self, rank: int, pool_size: int) -> tuple[int, int]:
-        """Rows' origin for :func:`relayout`: the replica (one model per rank) or the rank's own share."""
-        return (rank, pool_size) if self.rollout_mp_size > 1 else (self.rollout_dp, self.rollout_dp_size)
-
-
-def rollout_seed(cfg: Config, replica: int) -> int:
-    """The rollout engine's seed: one per replica (rollout dp rank), shared by its tp x pp ranks,
-    the same whether the rollout is colocated or on its own pool."""
-    return cfg.trainer.seed * 1_000_003 + replica
-
-
-class InFlight:
-    """Asynchronous GRPO's rounds in flight: (step, prompt indices), oldest first. A checkpoint holds
-    them; a resumed run generates them again (with the resumed weights)."""
-
-    def __init__(self) -> None:
-        self.rounds: list[tuple[int, list[int]]] = []
-        self.restored: list[tuple[int, list[int]]] = []
-        self.next_step = 1
-
-    def add(self, step: int, indices: list[int]) -> None:
-        self.rounds.append((step, list(indices)))
-        self.next_step = step + 1
-
-    def pop(self) -> tuple[int, list[int]]:
-        return self.rounds.pop(0)
-
-    def reissue(self) -> list[tuple[int, list[int]]]:
-        """The rounds a resumed checkpoint held (to generate again); after them, new ones."""
-        out, self.restored = self.restored, []
-        return out
-
-    def state_dict(self) -> dict:
-        return {"rounds": [[step, *indices] for step, indices in self.rounds]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.restored = [(int(r[0]), [int(i) for i in r[1:]]) for r in state["rounds"]]
 
 
 class Trainer:

@@ -93,6 +93,13 @@ def test_watchdog_names_a_rank_alive_behind_and_one_that_left():
         ranks.close()
 
 
+def wait_for_log(caplog, text: str, timeout_s: float = 10.0) -> None:
+    """Until ``text`` is logged (the watchdog's thread logs it), at most ``timeout_s``; the caller asserts."""
+    deadline = time.monotonic() + timeout_s
+    while text not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def test_watchdog_lets_the_rank_behind_work(caplog):
     """A rank still at a long stage while the others went on: a warning on it, no stall."""
     ranks = Ranks(2, stall_timeout_s=0.3)
@@ -101,9 +108,7 @@ def test_watchdog_lets_the_rank_behind_work(caplog):
             for wd in ranks.wds:
                 wd.beat(2, "gen")
             ranks.wds[1].beat(2, "reward")
-            deadline = time.monotonic() + 10
-            while "went on and wait for this rank" not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_for_log(caplog, "went on and wait for this rank")
         assert "slow stage: rank 0 has been in stage 'gen' of step 2" in caplog.text
         assert "rank 1 went on and wait for this rank" in caplog.text
         assert 0 not in ranks.messages
@@ -118,9 +123,7 @@ def test_watchdog_lets_a_long_stage_run(caplog):
         with caplog.at_level(logging.WARNING, logger="spmd_rl"):
             for wd in ranks.wds:
                 wd.beat(1, "gen")
-            deadline = time.monotonic() + 10
-            while "every rank is alive" not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_for_log(caplog, "every rank is alive")
         assert ranks.messages == {}
         assert "every rank is alive and in this stage" in caplog.text
         with ranks.wds[0].stage("update", 1):  # a stage ends: "after update", the clock restarts
