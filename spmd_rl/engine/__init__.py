@@ -16,7 +16,6 @@ modules are imported only when built, so planning a layout needs neither FSDP no
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -95,17 +94,10 @@ def _megatron_ignored(actor: ActorConfig) -> list[str]:
                                   ("actor.fsdp.ulysses_size", actor.fsdp.ulysses_size > 1)) if on]
 
 
-def _megatron_warnings(actor: ActorConfig) -> list[str]:
-    if actor.megatron.cp > 1 and importlib.util.find_spec("transformer_engine") is None:
-        return [f"actor.megatron.cp ({actor.megatron.cp}) > 1 needs TransformerEngine, which is not installed "
-                "here: the megatron engine will refuse to start without it"]
-    return []
-
-
 ENGINES: dict[str, EngineSpec] = {
     "fsdp": EngineSpec(layouts=_fsdp_layouts, meshes=("fsdp", "ulysses"), batch_layout="ulysses", build=_build_fsdp),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
-                           whole_world=True, export_copy=True, ignored_flags=_megatron_ignored, warnings=_megatron_warnings),
+                           whole_world=True, export_copy=True, ignored_flags=_megatron_ignored),
 }
 
 

@@ -15,6 +15,7 @@ torch those calls raise. This module redirects them to the CPU for the duration 
   call to the CPU (the literal allocations inside the schedules);
 * ``Tensor.type()`` names a CPU tensor as its CUDA type (``torch.cuda.FloatTensor``): the distributed
   optimizer checks that name;
+* ``pin_memory=True`` in any torch call -> False (a CPU-only torch has no pinned allocator);
 * ``torch.cuda.current_stream`` / ``stream`` / ``Stream`` / ``Event`` -> inert stand-ins;
 * ``all_to_all_single`` split sizes given as tensors (the MoE dispatcher keeps them on the device,
   which is the CPU here) -> lists of ints, as torch's binding requires.
@@ -40,6 +41,8 @@ class _CpuDeviceMode(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
             kwargs = dict(kwargs, device="cpu")
+        if kwargs.get("pin_memory"):  # megatron's RoPE slices for context parallelism from pinned memory
+            kwargs = dict(kwargs, pin_memory=False)
         if func in (torch.Tensor.to, torch.Tensor.cuda) and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         if func is torch.Tensor.cuda:

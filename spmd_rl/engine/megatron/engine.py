@@ -39,6 +39,7 @@ CPU); ``bench/megatron_gpu_check.py`` compares it with the FSDP engine in bf16 o
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -50,6 +51,7 @@ from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.dims import MegatronLayout
 from spmd_rl.engine import packing
 from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
+from spmd_rl.engine.megatron.context import chunk_columns, sum_shares
 from spmd_rl.engine.megatron.convert import export_hf_weights, load_hf_weights
 from spmd_rl.engine.megatron.groups import init_model_parallel
 from spmd_rl.engine.megatron.model import ModelSpec, build_chunks, check_layout, transformer_config
@@ -66,10 +68,11 @@ class _Grid:
     micro: RolloutBatch
     tokens: torch.Tensor  # [B, W] long
     positions: torch.Tensor  # [B, W]
-    rows: torch.Tensor  # [B*T] grid row of each response position's predictor
-    cols: torch.Tensor  # [B*T]
-    labels: torch.Tensor  # [B*T]
+    rows: torch.Tensor  # [N] grid row of each response position's predictor (N = B*T without cp)
+    cols: torch.Tensor  # [N] its column in this rank's tokens
+    labels: torch.Tensor  # [N]
     real: int  # rows 0..real-1 are the micro-batch, the rest padding
+    held: torch.Tensor | None = None  # cp > 1: which of the B*T response positions this cp rank holds (N of them)
 
 
 def batch_p2p_comm_for(layout: MegatronLayout) -> bool:
@@ -234,7 +237,17 @@ class MegatronEngine:
             longest = max(max(packing.row_tokens(m)) for m in micros if len(m))
             check_sliding_window(longest, self.spec.sliding_window, engine="megatron")
         width = max(max(len(p) for p in m.prompts) + m.response_len for m in micros if len(m))
-        width = -(-width // self.layout.tp) * self.layout.tp
+        cp = self.layout.cp
+        # tp: sequence parallelism splits each cp rank's W / cp tokens over tp; cp: 2 * cp equal chunks
+        unit = math.lcm(2 * cp, cp * self.layout.tp) if cp > 1 else self.layout.tp
+        width = -(-width // unit) * unit
+        held_cols = local_of = None
+        if cp > 1:
+            from megatron.core import parallel_state as ps
+
+            held_cols = chunk_columns(width, cp, ps.get_context_parallel_rank())  # global columns, local order
+            local_of = torch.full((width,), -1, dtype=torch.long)
+            local_of[held_cols] = torch.arange(len(held_cols))
         grids = []
         for micro in micros:
             t = micro.response_len
@@ -247,16 +260,24 @@ class MegatronEngine:
             labels = torch.full((rows, t), self.pad_token_id, dtype=torch.long)
             labels[:len(micro)] = micro["response_ids"]
             cols = (starts[:, None] - 1 + torch.arange(t)[None]).reshape(-1)
+            grid_rows, labels = torch.arange(rows).repeat_interleave(t), labels.reshape(-1)
+            positions, held = torch.arange(width), None
+            if local_of is not None:  # this cp rank's chunks; the response positions whose predictor they hold
+                tokens, positions = tokens[:, held_cols], held_cols
+                held = (local_of[cols] >= 0).nonzero().squeeze(1)
+                grid_rows, cols, labels = grid_rows[held], local_of[cols[held]], labels[held]
+                held = held.to(self.device)
             grids.append(_Grid(
                 micro=micro, tokens=tokens.to(self.device),
-                positions=torch.arange(width).expand(rows, width).contiguous().to(self.device),
-                rows=torch.arange(rows).repeat_interleave(t).to(self.device), cols=cols.to(self.device),
-                labels=labels.reshape(-1).to(self.device), real=len(micro)))
+                positions=positions.expand(rows, -1).contiguous().to(self.device),
+                rows=grid_rows.to(self.device), cols=cols.to(self.device), labels=labels.to(self.device),
+                real=len(micro), held=held))
         return grids, rows, width
 
     def _response_logprobs(self, logits: torch.Tensor, grid: _Grid, temperature: float, entropy: str
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[real, T]`` log-probs (0 where the response mask is 0) and entropy from ``[B, W, V/tp]`` logits."""
+        """``[real, T]`` log-probs (0 where the response mask is 0) and entropy from ``[B, W/cp, V/tp]``
+        logits (with cp > 1 the same on every cp rank, in sequence order)."""
         picked = logits[grid.rows, grid.cols].float()
         if temperature > 0 and temperature != 1.0:
             picked = picked / temperature
@@ -270,6 +291,12 @@ class MegatronEngine:
             logp, ent = vocab_parallel_logprobs(picked, grid.labels, group=self.tp_group, entropy=entropy == "grad",
                                                 vocab_start=self.tp_rank * self.vocab_local, vocab=self.spec.vocab)
         t = grid.micro.response_len
+        if grid.held is not None:  # every cp rank: all B*T positions, each from the rank holding it
+            from megatron.core import parallel_state as ps
+
+            size, group = grid.tokens.shape[0] * t, ps.get_context_parallel_group()
+            logp = sum_shares(logp, grid.held, size, group=group)
+            ent = sum_shares(ent, grid.held, size, group=group) if ent is not None else None
         mask = grid.micro["response_mask"].to(self.device)
         logp = logp.view(-1, t)[:grid.real] * mask
         ent = ent.view(-1, t)[:grid.real] * mask if ent is not None else None

@@ -6,16 +6,17 @@ Mixtral-shaped MoE), with megatron-core's local layer spec (no TransformerEngine
 
 ``check_layout(spec, layout)`` raises ``ValueError`` naming the flag when the model cannot be
 split as asked (heads and kv heads % tp, MLP widths % tp / etp, layers % (pp * vpp), experts % ep,
-cp without TransformerEngine). Only the default RoPE is supported. :func:`transformer_config` sets
+cp with experts). Only the default RoPE is supported. :func:`transformer_config` sets
 dropout 0, no fused kernels and ``calculate_per_token_loss``. Two modules replace the local spec's:
 :class:`RMSNorm` (Hugging Face's fp32 math; marks its weight for sequence parallelism, which
 megatron's torch norm refuses) and :class:`CausalSDPA` (torch SDPA with ``is_causal`` as the core
-attention, instead of ``DotProductAttention``'s bf16 scores).
+attention, instead of ``DotProductAttention``'s bf16 scores); with cp > 1 its context-parallel form
+:class:`~spmd_rl.engine.megatron.context.ContextParallelSDPA` (megatron-core's own context
+parallelism lives only in TransformerEngine's attention).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +24,6 @@ import torch.nn.functional as F
 
 from spmd_rl.distributed.dims import MegatronLayout
 from spmd_rl.models import sliding_window
-
-TE_INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]'  (needs CUDA and a matching torch)"
-
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -106,14 +104,9 @@ def check_layout(spec: ModelSpec, layout: MegatronLayout) -> None:
         raise ValueError(f"actor.megatron.ep ({layout.ep}) > 1 needs a mixture-of-experts model; this one is dense")
     if spec.experts and spec.experts % layout.ep:
         raise ValueError(f"actor.megatron.ep ({layout.ep}) must divide the model's {spec.experts} experts")
-    if layout.cp > 1 and importlib.util.find_spec("transformer_engine") is None:
-        raise ValueError(
-            f"actor.megatron.cp ({layout.cp}) > 1 needs TransformerEngine: megatron-core implements context "
-            f"parallelism only in TransformerEngine's attention, which is not installed. Install it with "
-            f"{TE_INSTALL}, or use --actor.megatron.cp 1")
-    if layout.cp > 1:
-        raise ValueError(f"actor.megatron.cp ({layout.cp}) > 1 is not wired into this engine yet (it needs the "
-                         f"TransformerEngine layer spec); use --actor.megatron.cp 1")
+    if layout.cp > 1 and spec.experts:
+        raise ValueError(f"actor.megatron.cp ({layout.cp}) > 1 is not supported with mixture-of-experts models in this "
+                         f"engine (untested); use --actor.megatron.cp 1 with --actor.megatron.ep for this model")
 
 
 def transformer_config(spec: ModelSpec, layout: MegatronLayout, *, params_dtype: torch.dtype, bf16: bool,
@@ -201,8 +194,11 @@ class CausalSDPA(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
 
-def build_chunks(spec: ModelSpec, layout: MegatronLayout, config) -> list[torch.nn.Module]:
-    """This rank's model chunks (one per virtual pipeline stage), weights uninitialised (loaded next)."""
+def build_chunks(spec: ModelSpec, layout: MegatronLayout, config, *, context_parallel: bool | None = None
+                 ) -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), weights uninitialised (loaded next).
+    ``context_parallel``: the chunked attention of :mod:`.context` (default: when ``layout.cp`` > 1;
+    True with cp 1 runs that path on one rank, for ``bench/megatron_cp.py``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -222,7 +218,12 @@ def build_chunks(spec: ModelSpec, layout: MegatronLayout, config) -> list[torch.
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts or None, moe_grouped_gemm=False,
                                           normalization="RMSNorm")
     layer_spec.submodules.input_layernorm = RMSNorm
-    layer_spec.submodules.self_attention.submodules.core_attention = CausalSDPA
+    if context_parallel if context_parallel is not None else layout.cp > 1:
+        from spmd_rl.engine.megatron.context import ContextParallelSDPA
+
+        layer_spec.submodules.self_attention.submodules.core_attention = ContextParallelSDPA
+    else:
+        layer_spec.submodules.self_attention.submodules.core_attention = CausalSDPA
     layer_spec.submodules.pre_mlp_layernorm = RMSNorm
     # a block spec lists the layers of ONE chunk (megatron numbers them from the chunk's offset)
     per_chunk = spec.layers // (layout.pp * layout.vpp)
