@@ -30,7 +30,7 @@ from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.testing import run_distributed
 from support.numerics import max_rel, rel
 from test_fsdp_parity import ACTOR, ALGO, MICRO, TEMPERATURE, TOL, micro_loss, response_logprobs
-from test_megatron_parity import _engine, _reset, make_pad_batch, tiny4_folder
+from test_megatron_parity import _engine, _reset, make_pad_batch, tiny4_folder, tiny_moe_folder
 
 pytest.importorskip("megatron.core")
 
@@ -39,6 +39,7 @@ LAYOUTS = {
     "cp2xtp2_sp": dict(cp=2, tp=2, sequence_parallel=True),
     "cp2xpp2": dict(cp=2, pp=2),
 }
+MOE = {"cp2xep2": dict(cp=2, ep=2)}  # on the tiny Mixtral: experts over ep ranks, expert dp folds cp in
 UPDATES = 2
 WORLD = 4
 
@@ -139,12 +140,13 @@ def _updates(folder: str, batch: RolloutBatch, layout_kw: dict) -> dict[str, Any
     return dict(losses=losses, grad_norms=norms, weights=weights, logprobs=logprobs.numpy().copy())
 
 
-def _world_body(rank: int, world_size: int, folder: str, batch: RolloutBatch) -> dict[str, Any]:
+def _world_body(rank: int, world_size: int, folder: str, moe_folder: str, batch: RolloutBatch) -> dict[str, Any]:
     import time
 
     start = time.perf_counter()
     out: dict[str, Any] = {"attention": _attention_check(rank)}
     out.update({name: _updates(folder, batch, kw) for name, kw in LAYOUTS.items()})
+    out.update({name: _updates(moe_folder, batch, kw) for name, kw in MOE.items()})
     out["seconds"] = time.perf_counter() - start
     return out
 
@@ -160,8 +162,13 @@ def batch(folder: str) -> RolloutBatch:
 
 
 @pytest.fixture(scope="module")
-def world(folder: str, batch: RolloutBatch) -> list[dict[str, Any]]:
-    results = run_distributed(_world_body, WORLD, folder, batch)
+def moe_folder(tmp_path_factory) -> str:
+    return tiny_moe_folder(str(tmp_path_factory.mktemp("tiny-mixtral")))
+
+
+@pytest.fixture(scope="module")
+def world(folder: str, moe_folder: str, batch: RolloutBatch) -> list[dict[str, Any]]:
+    results = run_distributed(_world_body, WORLD, folder, moe_folder, batch)
     print(f"\ncp world: {max(r['seconds'] for r in results):.1f} s in the 4 processes")
     return results
 
@@ -196,8 +203,14 @@ def test_cp_attention_matches_full_attention(world) -> None:
         assert all(v <= 1e-6 for v in result["attention"].values()), (rank, result["attention"])
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_cp_updates_match_single_process(layout: str, world, reference) -> None:
+@pytest.fixture(scope="module")
+def moe_reference(moe_folder: str, batch: RolloutBatch) -> dict[str, Any]:
+    return reference_updates(moe_folder, batch)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS) + list(MOE))
+def test_cp_updates_match_single_process(layout: str, world, request) -> None:
+    reference = request.getfixturevalue("moe_reference" if layout in MOE else "reference")
     for rank, result in enumerate(world):
         got = result[layout]
         logprob_diff = (torch.as_tensor(got["logprobs"]) - reference["logprobs"]).abs().max().item()

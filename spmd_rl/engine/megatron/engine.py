@@ -11,7 +11,11 @@ Data: every rank of a data-parallel group (its tp x pp ranks) holds the same row
 becomes a ``[B, W]`` grid with each row ``prompt + response`` starting at column 0 and padded on the
 right, so causal attention needs no mask and positions are ``0..W-1``; all micro-batches of one call
 share ``B`` and ``W`` (megatron's pipeline schedules send fixed-shape activations), padded with empty
-rows when the last is short and ``W`` rounded up to a multiple of tp (sequence parallelism).
+rows when the last is short and ``W`` rounded up to a multiple of tp (sequence parallelism). With
+context parallelism (cp > 1) ``W`` is a multiple of 2 * cp (and of cp * tp) and each cp rank gets
+its two balanced chunks of every row (:mod:`.context`); each computes the log-probs of the response
+positions it holds, and their sum over cp gives every cp rank the whole ``[B, T]`` in sequence order,
+so the loss and ``compute_logprobs`` are as without cp. The engine never packs rows.
 
 Training runs megatron-core's ``get_forward_backward_func`` (1F1B, or interleaved with vpp). The
 trainer's ``loss_fn`` runs on the last pipeline stage on vocab-parallel log-probs

@@ -104,9 +104,6 @@ def check_layout(spec: ModelSpec, layout: MegatronLayout) -> None:
         raise ValueError(f"actor.megatron.ep ({layout.ep}) > 1 needs a mixture-of-experts model; this one is dense")
     if spec.experts and spec.experts % layout.ep:
         raise ValueError(f"actor.megatron.ep ({layout.ep}) must divide the model's {spec.experts} experts")
-    if layout.cp > 1 and spec.experts:
-        raise ValueError(f"actor.megatron.cp ({layout.cp}) > 1 is not supported with mixture-of-experts models in this "
-                         f"engine (untested); use --actor.megatron.cp 1 with --actor.megatron.ep for this model")
 
 
 def transformer_config(spec: ModelSpec, layout: MegatronLayout, *, params_dtype: torch.dtype, bf16: bool,
