@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from spmd_rl.distributed.dims import MegatronLayout
 from spmd_rl.models import sliding_window
 
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The shape of a supported HF decoder, in the terms both conversions need."""
