@@ -5,8 +5,8 @@ Mixtral-shaped MoE), with megatron-core's local layer spec (no TransformerEngine
     chunks = build_chunks(spec, layout, params_dtype=torch.float32)   # one GPTModel per vpp stage
 
 ``check_layout(spec, layout)`` raises ``ValueError`` naming the flag when the model cannot be
-split as asked (heads and kv heads % tp, MLP widths % tp / etp, layers % (pp * vpp), experts % ep,
-cp with experts). Only the default RoPE is supported. :func:`transformer_config` sets
+split as asked (heads and kv heads % tp, MLP widths % tp / etp, layers % (pp * vpp), experts % ep;
+any cp fits: rows are padded to a multiple of 2 * cp). Only the default RoPE is supported. :func:`transformer_config` sets
 dropout 0, no fused kernels and ``calculate_per_token_loss``. Two modules replace the local spec's:
 :class:`RMSNorm` (Hugging Face's fp32 math; marks its weight for sequence parallelism, which
 megatron's torch norm refuses) and :class:`CausalSDPA` (torch SDPA with ``is_causal`` as the core
