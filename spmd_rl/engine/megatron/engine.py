@@ -70,8 +70,8 @@ class _Grid:
     """One micro-batch as the model sees it."""
 
     micro: RolloutBatch
-    tokens: torch.Tensor  # [B, W] long
-    positions: torch.Tensor  # [B, W]
+    tokens: torch.Tensor  # [B, W / cp] long: this cp rank's chunks
+    positions: torch.Tensor  # [B, W / cp]: their global positions
     rows: torch.Tensor  # [N] grid row of each response position's predictor (N = B*T without cp)
     cols: torch.Tensor  # [N] its column in this rank's tokens
     labels: torch.Tensor  # [N]
