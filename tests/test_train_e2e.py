@@ -1,4 +1,8 @@
-"""The real entry point under torchrun (2 CPU processes, gloo): it learns, and it is reproducible."""
+"""The real entry point on 2 CPU processes (gloo): it learns under torchrun, and it is reproducible.
+
+``torchrun(out_dir, *flags)`` runs ``spmd_rl.train`` under the real launcher; ``launch(...)`` runs
+the same ranks forked from a warm process (``run_program``: no interpreter start, no torch import
+per rank), for the end-to-end tests that are about the program rather than its launcher."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import subprocess
 import sys
 
 from conftest import HERE, REPO
-from spmd_rl.distributed.testing import free_port
+from spmd_rl.distributed.testing import free_port, run_program
 
 TINY = [
     "--model.path", "tiny-random", "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "16",
@@ -24,6 +28,14 @@ def torchrun(out_dir: str, *flags: str, nproc: int = 2, timeout: int = 600) -> s
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), "-m", "spmd_rl.train", *TINY, "--trainer.output-dir", out_dir, *flags]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def launch(out_dir: str, *flags: str, nproc: int = 2, timeout: int = 600, env: dict | None = None,
+           module: str = "spmd_rl.train") -> subprocess.CompletedProcess:
+    """What :func:`torchrun` returns, from ``module.main`` on ``nproc`` forked ranks."""
+    return run_program(module, [*TINY, "--trainer.output-dir", out_dir, *flags], nproc=nproc, cwd=REPO,
+                       env=dict(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **(env or {})),
+                       timeout=timeout)
 
 
 def read_metrics(out_dir: str) -> list[dict]:
@@ -56,7 +68,7 @@ def test_same_seed_same_metrics(tmp_path):
     runs = []
     for name, extra in (("a", ()), ("b", ("--trainer.profile-steps", "2"))):
         out = str(tmp_path / name)
-        proc = torchrun(out, "--trainer.total-steps", "4", "--algo.kl-coef", "0.01", *extra)
+        proc = launch(out, "--trainer.total-steps", "4", "--algo.kl-coef", "0.01", *extra)
         _check(proc)
         runs.append([{k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/", "elapsed_s"))}
                      for m in read_metrics(out)])
@@ -70,13 +82,13 @@ def test_same_seed_same_metrics(tmp_path):
 
 
 def test_bad_layout_fails_before_start(tmp_path):
-    proc = torchrun(str(tmp_path / "bad"), "--data.train-batch-size", "3", "--actor.ppo-mini-batch-size", "3")
+    proc = launch(str(tmp_path / "bad"), "--data.train-batch-size", "3", "--actor.ppo-mini-batch-size", "3")
     assert proc.returncode != 0
     assert "data.train_batch_size (3)" in proc.stderr
 
 
 def test_reward_error_stops_every_rank(tmp_path):
-    proc = torchrun(str(tmp_path / "err"), "--trainer.total-steps", "3", "--reward.fn", "support.rewards:raises_on_seven",
+    proc = launch(str(tmp_path / "err"), "--trainer.total-steps", "3", "--reward.fn", "support.rewards:raises_on_seven",
                     timeout=300)
     assert proc.returncode != 0
     assert "scorer exploded" in proc.stderr

@@ -4,17 +4,33 @@
         ...  # torch.distributed is initialised here; return a picklable result
     results = run_distributed(body, 4, 3.0)   # list of the 4 return values, by rank
 
-Each process gets the torchrun-style environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT)
-so product code that reads the environment behaves as under ``torchrun``. An exception on any rank
-fails the call with that rank's traceback instead of hanging the others.
+    proc = run_program("spmd_rl.train", [*flags], nproc=2)   # a program's ranks: a CompletedProcess
+
+Each process gets the caller's environment plus the torchrun-style variables (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR/PORT), so product code that reads the environment behaves as under
+``torchrun``. An exception on any rank fails the call with that rank's traceback instead of hanging
+the others.
+
+:func:`run_program` runs an entry point's ``main(argv)`` (``spmd_rl.train``, ``spmd_rl.evaluate``)
+the same way on N ranks and returns what ``torchrun`` would have printed and returned, for the
+end-to-end tests that are about the program and not about its launcher (those keep ``torchrun``).
+
+The processes are forked from a server that imported torch, transformers and the trainer once
+(``forkserver`` with those modules preloaded), not spawned: a spawned process spends seconds
+importing them again, and a test suite starts hundreds. Forking that server is safe where forking
+the caller is not: it has run no tensor operation, so it has no OpenMP or gloo threads.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import queue as queue_lib
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -31,8 +47,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+PRELOAD = ["torch", "torch.distributed", "transformers", "spmd_rl.trainer", "megatron.core"]
+"""Imported once by the fork server (a module that is not installed is skipped)."""
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any],
-            args: tuple, queue: Any, timeout_s: float) -> None:
+            args: tuple, queue: Any, timeout_s: float, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the server's environment is from when it started; the caller's is now
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
@@ -51,18 +73,80 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
             dist.destroy_process_group()
 
 
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _program_worker(module: str, argv: list[str], environ: dict[str, str], cwd: str, out: str, err: str) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    for path in reversed(environ.get("PYTHONPATH", "").split(os.pathsep)):  # as a new interpreter would
+        if path and path not in sys.path:
+            sys.path.insert(0, path)
+    for fd, path in ((1, out), (2, err)):  # as a torchrun worker's: its own stdout and stderr
+        with open(path, "w") as f:
+            os.dup2(f.fileno(), fd)
+    from spmd_rl.distributed.process import exit_now, run_entry
+
+    exit_now(run_entry(importlib.import_module(module).main, argv))
+
+
+def run_program(module: str, argv: list[str], *, nproc: int, env: dict[str, str] | None = None,
+                cwd: str | None = None, timeout: float = 600.0, grace_s: float = 10.0) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc -m module *argv``, without torchrun: ``module.main(argv)`` on
+    ``nproc`` forked ranks with a torchrun-style environment (plus ``env``). Returns a
+    ``CompletedProcess`` whose stdout / stderr are the ranks' own, rank by rank, and whose
+    ``returncode`` is the first failing rank's status (0 when all succeed). As torchrun does, the
+    other ranks are killed ``grace_s`` after the first fails; ``subprocess.TimeoutExpired`` after
+    ``timeout`` seconds (every rank killed)."""
+    ctx = _context()
+    port = free_port()
+    cwd = cwd or os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="spmd_rl_run_") as logs:
+        procs = []
+        for r in range(nproc):
+            environ = dict(os.environ, **(env or {}), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
+                           LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            files = (os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err"))
+            procs.append(ctx.Process(target=_program_worker, args=(module, argv, environ, cwd, *files)))
+            procs[-1].start()
+        deadline, failed_at, code = time.monotonic() + timeout, None, 0
+        while any(p.exitcode is None for p in procs):
+            now = time.monotonic()
+            if now > deadline or (failed_at is not None and now > failed_at + grace_s):
+                for p in procs:
+                    if p.exitcode is None:
+                        p.kill()
+                if now > deadline:
+                    for p in procs:
+                        p.join()
+                    raise subprocess.TimeoutExpired([module, *argv], timeout)
+            for p in procs:
+                if p.exitcode not in (None, 0) and failed_at is None:
+                    failed_at, code = now, p.exitcode
+            time.sleep(0.05)
+        if code == 0:
+            code = next((p.exitcode for p in procs if p.exitcode), 0)
+        text = [[open(os.path.join(logs, f"{r}.{kind}")).read() for r in range(nproc)] for kind in ("out", "err")]
+    return subprocess.CompletedProcess([module, *argv], code, "".join(text[0]), "".join(text[1]))
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
                     timeout_s: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return results by rank.
 
     ``fn`` and ``args`` must be picklable (a module-level function). Raises ``RuntimeError`` with
     the first failing rank's traceback.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, timeout_s))
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, timeout_s, environ))
         for r in range(world_size)
     ]
     for p in procs:
