@@ -16,7 +16,7 @@ else is symmetric. Per step:
                 or a round trip to the reward pool when ``pools.reward_ranks`` > 0);
 4. relayout     rows move from the rollout's layout to the actor's data-parallel layout;
 5. old_logprob  actor log-probs before the update (several optimizer steps per batch, or IS);
-6. ref          frozen reference log-probs (when the KL loss is on);
+6. ref          frozen reference log-probs (when the KL loss or the KL reward is on);
 7. teacher      the teacher's log-probs, colocated or on the teacher pool (``algo.distill_coef``);
 8. values       the critic's values of every response token (``algo.adv_estimator=gae``, spmd_rl.critic);
 9. adv          group advantages, local since all n responses of a prompt are on one rank, or GAE
@@ -108,10 +108,11 @@ class Trainer:
         self.policy_version = self.rollout_version = 0  # actor updates so far / those the rollout holds
         self.row_weight = 1.0  # what a row this rank holds counts in sums (< 1 where rows repeat over ranks)
         # Old log-probs: needed for several optimizer steps per batch, by the IS correction (the trainer's
-        # own log-probs of the sampling policy), and off-policy (the proximal policy of decoupled PPO).
+        # own log-probs of the sampling policy), off-policy (the proximal policy of decoupled PPO), and by
+        # PPO's KL reward (the actor's before the update).
         self.staleness, self.in_flight = cfg.trainer.max_staleness, InFlight()
         self.need_old_logprobs = (self.updates_per_step > 1 or cfg.algo.rollout_is != "none" or self.staleness > 0
-                                  or cfg.algo.kl_in_reward)  # the KL reward is the actor's before the update
+                                  or cfg.algo.kl_in_reward)
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.step = 0
