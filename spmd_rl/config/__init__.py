@@ -21,8 +21,8 @@ from .sections import (
 )
 
 __all__ = [
-    "ActorConfig", "AlgoConfig", "CheckpointConfig", "Config", "CriticConfig", "CriticModelConfig", "DataConfig", "FsdpConfig",
-    "LoggingConfig", "MegatronConfig", "ModelConfig", "PoolsConfig", "RefConfig", "RewardConfig",
+    "ActorConfig", "AlgoConfig", "CheckpointConfig", "Config", "CriticConfig", "CriticModelConfig", "DataConfig",
+    "FsdpConfig", "LoggingConfig", "MegatronConfig", "ModelConfig", "PoolsConfig", "RefConfig", "RewardConfig",
     "RewardModelConfig", "RolloutConfig", "TeacherConfig", "TeacherModelConfig", "TrainerConfig", "from_yaml", "load_config", "split_config_flag",
     "to_dict", "to_yaml", "validate",
 ]

@@ -175,7 +175,8 @@ class FSDPEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.grad_clip = 0.0
-        self.nonfinite = NonfiniteGuard(actor.skip_nonfinite_updates if actor is not None else 0)
+        self.nonfinite = NonfiniteGuard(actor.skip_nonfinite_updates if actor is not None else 0,
+                                        role="critic" if value_model else "actor")
         self.actor = actor  # this run's optimizer settings, which replace a checkpoint's (load_state_dict)
         if trainable:
             assert actor is not None
