@@ -35,7 +35,7 @@ from spmd_rl.engine import critic_optimizer
 from spmd_rl.engine.value import load_value_model
 from spmd_rl.export import load_model_state
 from spmd_rl.metrics import MetricAccumulator
-from spmd_rl.models import resolve_model_path
+from spmd_rl.models import load_reward_model, resolve_model_path
 from support.numerics import max_rel, rel
 from test_checkpoint import launch, metrics
 
@@ -69,6 +69,18 @@ def test_score_goes_on_the_last_response_token_and_the_kl_on_every_token() -> No
 
 def folder() -> str:
     return resolve_model_path("tiny-random", cache_dir=None)  # $SPMD_RL_CACHE (conftest)
+
+
+def test_value_model_keeps_a_saved_head_and_seeds_a_new_one() -> None:
+    """A one-output reward model keeps its trained `score` (a zero bias added); a causal LM gets a new
+    head from the seed alone, and no dropout before it."""
+    rm_folder = resolve_model_path("tiny-random-rm", cache_dir=None)
+    value = load_value_model(rm_folder, dtype=torch.float32, seed=0)
+    assert torch.equal(value.score.weight, load_reward_model(rm_folder, dtype=torch.float32).score.weight)
+    assert torch.equal(value.score.bias, torch.zeros(1))
+    heads = [load_value_model(folder(), dtype=torch.float32, seed=s).score.weight for s in (1, 1, 2)]
+    assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
+    assert isinstance(value.dropout, torch.nn.Identity)
 
 
 def make_batch() -> RolloutBatch:
