@@ -86,7 +86,8 @@ def test_value_model_keeps_a_saved_head_and_seeds_a_new_one() -> None:
 def make_batch() -> RolloutBatch:
     """Ragged prompts and responses with scores and old / reference log-probs (for the KL reward)."""
     g = torch.Generator().manual_seed(99)
-    prompts = [torch.randint(3, 104, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (PROMPTS,), generator=g)]
+    prompt_lengths = torch.randint(3, 12, (PROMPTS,), generator=g).tolist()
+    prompts = [torch.randint(3, 104, (n,), generator=g).tolist() for n in prompt_lengths]
     lengths = torch.randint(1, RESPONSE_LEN + 1, (ROWS,), generator=g)
     lengths[5] = RESPONSE_LEN
     mask = (torch.arange(RESPONSE_LEN)[None, :] < lengths[:, None]).float()
@@ -240,7 +241,7 @@ def same_state(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and sorted(a) == sorted(b) and all(same_state(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
     return a == b

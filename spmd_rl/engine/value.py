@@ -60,8 +60,9 @@ def load_value_model(folder: str, *, dtype: torch.dtype, seed: int, trust_remote
         if score.bias is not None and "score.bias" in missing:
             score.bias.zero_()
     unused = sorted(info.get("unexpected_keys", ()))
-    log.info("critic: %s value head (score) on the decoder of %s%s", "a new" if "score.weight" in missing else "the saved",
-             folder, f"; unused there: {', '.join(unused)}" if unused else "")
+    log.info("critic: %s value head (score) on the decoder of %s%s",
+             "a new" if "score.weight" in missing else "the saved", folder,
+             f"; unused there: {', '.join(unused)}" if unused else "")
     model.dropout = torch.nn.Identity()  # verl's critic sets classifier_dropout = 0
     model.eval()
     return model
