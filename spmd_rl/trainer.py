@@ -16,10 +16,13 @@ else is symmetric. Per step:
                 or a round trip to the reward pool when ``pools.reward_ranks`` > 0);
 4. relayout     rows move from the rollout's layout to the actor's data-parallel layout;
 5. old_logprob  actor log-probs before the update (several optimizer steps per batch, or IS);
-6. ref          frozen reference log-probs (when the KL loss is on);
+6. ref          frozen reference log-probs (when the KL loss or the KL reward is on);
 7. teacher      the teacher's log-probs, colocated or on the teacher pool (``algo.distill_coef``);
-8. adv          group advantages, local since all n responses of a prompt are on one rank;
-9. update       mini-batches x micro-batches with global token normalisation.
+8. values       the critic's values of every response token (``algo.adv_estimator=gae``, spmd_rl.critic);
+9. adv          group advantages, local since all n responses of a prompt are on one rank, or GAE
+                from token-level rewards and the values;
+10. update      mini-batches x micro-batches with global token normalisation;
+11. critic_update  the critic's value loss, the same mini-batches (PPO with a critic only).
 
 Every stage runs under a timer (``timing_s/<stage>``), which is also a ``stage/<name>`` profiler
 range for ``trainer.profile_steps`` (:mod:`spmd_rl.profiling`). Metrics are accumulated locally and
@@ -43,6 +46,7 @@ from spmd_rl.algo.objective import actor_objective, compute_advantages
 from spmd_rl.checkpoint import Checkpointer, checkpoint_bytes
 from spmd_rl.checkpoint_files import model_parameters
 from spmd_rl.config import Config, to_dict, to_yaml
+from spmd_rl.critic import build_critic, token_rewards
 from spmd_rl.data import build_prompts
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.data.prompts import render_prompts
@@ -91,7 +95,10 @@ class Trainer:
                        model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
                        total_updates=cfg.trainer.total_steps * self.updates_per_step)
         self.actor = build_engine("actor", **engines)
-        self.ref = build_engine("ref", **engines) if cfg.algo.use_kl_loss else None
+        self.ref = build_engine("ref", **engines) if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward else None
+        self.critic = build_critic(critic=cfg.critic, algo=cfg.algo, actor_tokenizer=self.tokenizer, engines=engines,
+                                   total_steps=cfg.trainer.total_steps, mini_batches=self.mini_batches,
+                                   sum_weight=self.place.sum_weight, group=self.group)  # PPO's value model, or None
         self.teacher = self._teacher(groups)  # on-policy distillation (teacher.model.path), else None
         self.link = groups.rollout_link  # the rollout pool (pools.rollout_ranks > 0), else None
         self.rollout = None if self.link else build_rollout_from_config(
@@ -101,17 +108,21 @@ class Trainer:
         self.policy_version = self.rollout_version = 0  # actor updates so far / those the rollout holds
         self.row_weight = 1.0  # what a row this rank holds counts in sums (< 1 where rows repeat over ranks)
         # Old log-probs: needed for several optimizer steps per batch, by the IS correction (the trainer's
-        # own log-probs of the sampling policy), and off-policy (the proximal policy of decoupled PPO).
+        # own log-probs of the sampling policy), off-policy (the proximal policy of decoupled PPO), and by
+        # PPO's KL reward (the actor's before the update).
         self.staleness, self.in_flight = cfg.trainer.max_staleness, InFlight()
-        self.need_old_logprobs = self.updates_per_step > 1 or cfg.algo.rollout_is != "none" or self.staleness > 0
+        self.need_old_logprobs = (self.updates_per_step > 1 or cfg.algo.rollout_is != "none" or self.staleness > 0
+                                  or cfg.algo.kl_in_reward)
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.step = 0
         self.checkpointer.track(model_folder=self.model_folder, export=self.actor.export_weights,
                                 actor=self.actor, sampler=self.sampler, optional=["in_flight"],  # none: nothing in flight
-                                **({"in_flight": self.in_flight} if self.staleness else {}))
+                                **({"in_flight": self.in_flight} if self.staleness else {}),
+                                **({"critic": self.critic.engine} if self.critic else {}))
         self.checkpointer.check_writable(checkpoint_bytes(  # before the first step, not at the first save
-            model_parameters(self.model_folder), hf_copy=engine_spec(cfg.actor.engine).export_copy))
+            model_parameters(self.model_folder) * (2 if self.critic else 1),
+            hf_copy=engine_spec(cfg.actor.engine).export_copy))
 
     def _teacher(self, groups: RunGroups):
         """The teacher's log-probs: a frozen FSDP engine on the actor's mesh, or the teacher pool's link."""
@@ -201,10 +212,16 @@ class Trainer:
                 if self.teacher is not None:
                     with timer("teacher"):
                         self.teacher_logprobs(batch)
+                if self.critic is not None:
+                    with timer("values"):
+                        self.critic.values(batch)
                 with timer("adv"):
                     self.advantages(batch, acc)
                 with timer("update"):
                     self.update(batch, acc)
+                if self.critic is not None:
+                    with timer("critic_update"):
+                        self.critic.update(batch, acc)
                 if self.staleness:  # new weights to the rollout pool, once it is done with its round
                     with timer("wait_weights"):
                         self.sync_weights()
@@ -370,7 +387,13 @@ class Trainer:
         batch["teacher_logprobs"] = logprobs.cpu()
 
     def advantages(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
-        adv = compute_advantages(batch["scores"], batch["group_index"], batch["response_mask"], algo=self.cfg.algo)
+        algo = self.cfg.algo
+        rewards = token_rewards(batch, algo=algo, acc=acc)  # the score on the last token (- the KL per token)
+        if self.critic is not None:
+            adv = self.critic.advantages(batch, rewards, acc)  # GAE
+        else:  # group estimators: of the score, or of the sum of the token rewards with the KL in them
+            scores = rewards.sum(1) if algo.kl_in_reward else batch["scores"]
+            adv = compute_advantages(scores, batch["group_index"], batch["response_mask"], algo=algo)
         batch["advantages"] = adv.float()
         mask = batch["response_mask"]
         acc.add("critic/advantages/mean", (adv * mask).sum().item() / max(mask.sum().item(), 1), mask.sum().item())

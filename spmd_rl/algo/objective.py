@@ -28,6 +28,9 @@ ADVANTAGE_ESTIMATORS = {
     "reinforce_pp_baseline": adv_lib.reinforce_pp_baseline,
 }
 
+CRITIC_ESTIMATORS = {"gae": adv_lib.gae}
+"""Estimators of token-level advantages from a value model's values (the run trains a critic: spmd_rl.critic)."""
+
 POLICY_LOSSES = {
     "ppo_clip": losses.ppo_clip,
     "gspo": losses.gspo,
@@ -37,7 +40,9 @@ POLICY_LOSSES = {
 
 def compute_advantages(scores: torch.Tensor, group_index: torch.Tensor, response_mask: torch.Tensor, *,
                        algo: AlgoConfig) -> torch.Tensor:
-    """Per-token advantages ``[B, T]`` from per-response scores with the configured estimator."""
+    """Per-token advantages ``[B, T]`` from per-response scores with the configured group estimator."""
+    if algo.adv_estimator in CRITIC_ESTIMATORS:
+        raise ValueError(f"algo.adv_estimator={algo.adv_estimator} needs a critic's values: spmd_rl.critic computes it")
     fn = ADVANTAGE_ESTIMATORS[algo.adv_estimator]
     if algo.adv_estimator == "grpo":
         return fn(scores, group_index, response_mask, norm_by_std=algo.norm_adv_by_std)

@@ -1,5 +1,5 @@
-"""The training engines' config sections: ``actor`` (with its ``fsdp`` and ``megatron`` layouts) and
-``ref``. Same conventions as :mod:`.sections`."""
+"""The training engines' config sections: ``actor`` (with its ``fsdp`` and ``megatron`` layouts),
+``ref`` and ``critic``. Same conventions as :mod:`.sections`."""
 
 from __future__ import annotations
 
@@ -144,3 +144,49 @@ class RefConfig:
     CPU runs). Independent of `actor.fsdp.param_offload`."""
     micro_batch_size: int = 16
     """Responses per reference forward per rank."""
+
+
+@dataclass(kw_only=True)
+class CriticModelConfig:
+    path: str | None = None
+    """The value model's starting weights: a Hugging Face folder (a causal LM, a token classifier such
+    as a saved critic, or a one-output reward model, whose `score` head is then kept), a local `.gguf`
+    file or a built-in name; None = the actor's `model.path`. Its decoder runs with a new one-output
+    `score` head (`AutoModelForTokenClassification`, num_labels=1) unless the folder has one. It must
+    share the actor's tokenizer."""
+    trust_remote_code: bool = False
+    """Allow custom modeling code from the critic's folder."""
+
+
+@dataclass(kw_only=True)
+class CriticConfig:
+    """PPO's value model (`algo.adv_estimator=gae`): trained by its own FSDP engine on the actor's
+    ranks and layout (`actor.fsdp.*`, `actor.use_packing`, `actor.max_tokens_per_gpu`), on the actor's
+    mini-batches (`actor.ppo_mini_batch_size`), with AdamW and the actor's betas, LR schedule and
+    non-finite-update guard."""
+
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    lr: float = 1e-5
+    """Peak learning rate of the critic's AdamW."""
+    weight_decay: float = 0.0
+    """The critic's AdamW decoupled weight decay."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to `critic.lr`."""
+    grad_clip: float = 1.0
+    """Clip the critic's global gradient norm to this value (0 = off)."""
+    cliprange_value: float = 0.5
+    """Value clipping: a prediction's error also counts clipped to within this distance of the value
+    it had when the batch was scored, and the larger of the two errors is taken (PPO's clipped value loss)."""
+    micro_batch_size: int = 8
+    """Responses per value forward/backward per rank (ignored when `actor.max_tokens_per_gpu` is set)."""
+    ppo_epochs: int | None = None
+    """Passes of the critic over the step's data; None = `actor.ppo_epochs`."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"critic.lr must be > 0, got {self.lr}")
+        _check(self.warmup_steps >= 0, f"critic.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(self.grad_clip >= 0, f"critic.grad_clip must be >= 0, got {self.grad_clip}")
+        _check(self.cliprange_value >= 0, f"critic.cliprange_value must be >= 0, got {self.cliprange_value}")
+        _check(self.micro_batch_size >= 1, f"critic.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        _check(self.ppo_epochs is None or self.ppo_epochs >= 1,
+               f"critic.ppo_epochs must be >= 1 (or unset: the actor's), got {self.ppo_epochs}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from .checks import _check
-from .engines import ActorConfig, FsdpConfig, MegatronConfig, RefConfig
+from .engines import ActorConfig, CriticConfig, FsdpConfig, MegatronConfig, RefConfig
 
 
 @dataclass(kw_only=True)
@@ -142,8 +142,10 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    adv_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline"] = "grpo"
-    """How scores become advantages (all within a prompt's group of `rollout.n`)."""
+    adv_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline", "gae"] = "grpo"
+    """How scores become advantages: within a prompt's group of `rollout.n` (`grpo`, `rloo`,
+    `reinforce_pp_baseline`), or PPO's generalised advantage estimation per token with a value model
+    (`gae`: brings the `critic`, see `critic.*`, `algo.gamma`, `algo.lam`)."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's standard deviation (off = Dr. GRPO)."""
     policy_loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
@@ -171,6 +173,16 @@ class AlgoConfig:
     old = the trainer's own log-probs of the sampling policy (their forward then runs every step)."""
     rollout_is_cap: float = 2.0
     """Upper bound of the truncated importance weight (`algo.rollout_is=token_truncated`)."""
+    gamma: float = 1.0
+    """`gae`: discount per response token."""
+    lam: float = 1.0
+    """`gae`: GAE's lambda (1 = Monte-Carlo returns minus the values, 0 = one-step TD errors)."""
+    kl_in_reward: bool = False
+    """PPO's KL penalty in the reward: every response token's reward is `-algo.kl_coef` x the
+    `algo.kl_kind` estimate of KL(actor || reference) (old log-probs against the reference's),
+    plus the score on the last token. Separate from `algo.use_kl_loss` (as verl's `use_kl_in_reward`
+    and `use_kl_loss`); PPO's usual setting is `--algo.kl-in-reward --algo.use-kl-loss false
+    --algo.kl-kind k1`. With a group estimator the score becomes the sum of the token rewards."""
     distill_coef: float = 0.0
     """On-policy distillation: add this times the per-token reverse KL to the teacher
     (`teacher.model.path`) on the sampled tokens to the objective (0 = off). Logged as `actor/distill_kl`."""
@@ -183,6 +195,8 @@ class AlgoConfig:
         _check(self.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {self.kl_coef}")
         _check(self.distill_coef >= 0, f"algo.distill_coef must be >= 0, got {self.distill_coef}")
         _check(self.rollout_is_cap >= 1, f"algo.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
+        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
+               f"algo.gamma ({self.gamma}) and algo.lam ({self.lam}) must be in [0, 1]")
 
 
 @dataclass(kw_only=True)
@@ -370,6 +384,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -380,7 +395,7 @@ class Config:
 
 
 __all__ = [
-    "ActorConfig", "AlgoConfig", "CheckpointConfig", "Config", "DataConfig", "FsdpConfig",
+    "ActorConfig", "AlgoConfig", "CheckpointConfig", "Config", "CriticConfig", "DataConfig", "FsdpConfig",
     "LoggingConfig", "MegatronConfig", "ModelConfig", "PoolsConfig", "RefConfig", "RewardConfig",
     "RewardModelConfig", "RolloutConfig", "TrainerConfig",
 ]

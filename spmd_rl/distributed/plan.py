@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from spmd_rl.algo.objective import CRITIC_ESTIMATORS
 from spmd_rl.distributed.dims import ActorLayout, FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
 from spmd_rl.distributed.pools import (
     GLOBAL, REWARD, ROLLOUT, TEACHER, PoolSpec, get_spec, gpu_of, gpus_per_node, member_of, plan_pools,
@@ -192,7 +193,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
 
     _check_pools(cfg, by_name, engine_whole_world=engine.whole_world, backend_whole_world=backend.whole_world)
     _check_teacher(cfg, separate=teacher is not None, engine_meshes=engine.meshes)
-    warnings = list(engine.warnings(cfg.actor))
+    warnings = list(engine.warnings(cfg.actor)) + _check_critic(cfg, engine_builds_critic=engine.critic)
     if cfg.trainer.max_staleness > 0:
         if ROLLOUT not in by_name:
             raise ValueError(
@@ -306,6 +307,23 @@ def _check_teacher(cfg: Config, *, separate: bool, engine_meshes: tuple[str, ...
         raise ValueError(f"a colocated teacher runs under FSDP on the actor's mesh, which actor.engine="
                          f"{cfg.actor.engine} does not build: give it ranks of its own (--pools.teacher-ranks N) "
                          f"or use --actor.engine fsdp")
+
+
+def _check_critic(cfg: Config, *, engine_builds_critic: bool) -> list[str]:
+    """PPO's critic: an engine that builds it, a use for its flags; the warnings about the KL terms."""
+    algo, path = cfg.algo, cfg.critic.model.path
+    uses_critic = algo.adv_estimator in CRITIC_ESTIMATORS
+    if uses_critic and not engine_builds_critic:
+        raise ValueError(f"algo.adv_estimator={algo.adv_estimator} trains a critic (a value model), which actor.engine="
+                         f"{cfg.actor.engine} does not build: use --actor.engine fsdp, or a group estimator "
+                         f"(--algo.adv-estimator grpo)")
+    if path is not None and not uses_critic:
+        raise ValueError(f"critic.model.path={path} is set but algo.adv_estimator={algo.adv_estimator} trains no "
+                         f"critic: set --algo.adv-estimator gae or unset --critic.model.path")
+    if algo.kl_in_reward and algo.use_kl_loss:
+        return [("algo.kl_in_reward and algo.use_kl_loss are both on: the KL to the reference counts twice, in the "
+                 "reward and in the actor's loss; PPO's usual setting is --algo.use-kl-loss false")]
+    return []
 
 
 def _memory_fractions(cfg: Config, specs: list[PoolSpec], world_size: int,

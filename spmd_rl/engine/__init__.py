@@ -4,10 +4,11 @@
     layouts = spec.layouts(cfg.actor, pool_size)      # pure, for plan(): {"fsdp": ..., "ulysses": ...}
     actor = build_engine("actor", actor=cfg.actor, ref=cfg.ref, model=cfg.model, seed=0, groups=groups,
                          model_folder=folder, device=device, pad_token_id=0, total_updates=40)
+    critic = build_engine("critic", ..., critic=cfg.critic)   # the value model, where spec.critic
 
 Every engine implements :class:`~spmd_rl.engine.base.TrainEngine`. This table is the only place
 that tells the engines apart: :func:`spmd_rl.distributed.plan.plan` reads their layouts and rules
-from it, the trainer builds the actor and the reference through :func:`build_engine`. The engine
+from it, the trainer builds the actor, the reference and the critic through :func:`build_engine`. The engine
 modules are imported only when built, so planning a layout needs neither FSDP nor megatron-core.
 
 * ``fsdp`` (:mod:`.fsdp`): FSDP2 over ``[fsdp]`` / ``[ddp, fsdp]``, Ulysses ``[dp, sp]`` for the batch.
@@ -16,6 +17,7 @@ modules are imported only when built, so planning a layout needs neither FSDP no
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -25,10 +27,10 @@ from spmd_rl.engine.base import LossFn, NonfiniteGuard, TrainEngine, lr_lambda
 if TYPE_CHECKING:
     import torch
 
-    from spmd_rl.config import ActorConfig, ModelConfig, RefConfig, TeacherConfig
+    from spmd_rl.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, TeacherConfig
     from spmd_rl.distributed.world import RunGroups
 
-Role = Literal["actor", "ref"]
+Role = Literal["actor", "ref", "critic"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,11 @@ class EngineSpec:
     batch_layout: str
     """Which of them is the actor's batch view (an :class:`ActorLayout`)."""
     build: Callable[..., TrainEngine]
-    """``build(role, *, actor, ref, model, seed, groups, model_folder, device, pad_token_id, total_updates)``."""
+    """``build(role, *, actor, ref, model, seed, groups, model_folder, device, pad_token_id, total_updates,
+    critic=None)``; ``critic`` (the section) only for ``role="critic"``, whose ``model_folder`` is the
+    value model's."""
+    critic: bool = False
+    """It builds PPO's critic (``role="critic"``: a value model; ``algo.adv_estimator=gae``)."""
     whole_world: bool = False
     """Its groups are built over the whole world, so no rank may be in another pool."""
     export_copy: bool = False
@@ -63,7 +69,8 @@ def _megatron_layouts(actor: ActorConfig, size: int) -> dict[str, Any]:
 
 
 def _build_fsdp(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelConfig, seed: int, groups: RunGroups,
-                model_folder: str, device: torch.device, pad_token_id: int, total_updates: int) -> TrainEngine:
+                model_folder: str, device: torch.device, pad_token_id: int, total_updates: int,
+                critic: CriticConfig | None = None) -> TrainEngine:
     from spmd_rl.engine.fsdp import FSDPEngine
 
     common = dict(model_folder=model_folder, mesh=groups.actor_mesh, device=device, fsdp=actor.fsdp,
@@ -73,13 +80,29 @@ def _build_fsdp(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelC
     if role == "actor":
         return FSDPEngine(actor=actor, total_updates=total_updates, trainable=True,
                           gradient_checkpointing=model.gradient_checkpointing, **common)
+    if role == "critic":
+        assert critic is not None, "the critic's engine needs the critic section"
+        common["trust_remote_code"] = critic.model.trust_remote_code
+        return FSDPEngine(actor=critic_optimizer(actor, critic), total_updates=total_updates, trainable=True,
+                          gradient_checkpointing=model.gradient_checkpointing, value_model=True, seed=seed, **common)
     return FSDPEngine(trainable=False, param_offload=ref.param_offload, **common)
+
+
+def critic_optimizer(actor: ActorConfig, critic: CriticConfig) -> ActorConfig:
+    """The critic's optimizer settings in the shape an engine reads them: the actor's section with the
+    critic's LR, weight decay, warmup and gradient clip (betas, schedule, guard: the actor's)."""
+    return dataclasses.replace(actor, lr=critic.lr, weight_decay=critic.weight_decay,
+                               warmup_steps=critic.warmup_steps, grad_clip=critic.grad_clip)
 
 
 def _build_megatron(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelConfig, seed: int,
                     groups: RunGroups, model_folder: str, device: torch.device, pad_token_id: int,
-                    total_updates: int) -> TrainEngine:
+                    total_updates: int, critic: CriticConfig | None = None) -> TrainEngine:
     from spmd_rl.engine.megatron import MegatronEngine  # actor and reference share megatron's groups
+
+    if role == "critic":  # plan() refuses this first (EngineSpec.critic)
+        raise ValueError("actor.engine=megatron has no critic (value model): use --actor.engine fsdp for "
+                         "algo.adv_estimator=gae")
 
     common = dict(model_folder=model_folder, device=device, layout=groups.plan.actor, megatron=actor.megatron,
                   trust_remote_code=model.trust_remote_code, pad_token_id=pad_token_id, seed=seed)
@@ -95,7 +118,8 @@ def _megatron_ignored(actor: ActorConfig) -> list[str]:
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "fsdp": EngineSpec(layouts=_fsdp_layouts, meshes=("fsdp", "ulysses"), batch_layout="ulysses", build=_build_fsdp),
+    "fsdp": EngineSpec(layouts=_fsdp_layouts, meshes=("fsdp", "ulysses"), batch_layout="ulysses", build=_build_fsdp,
+                       critic=True),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
                            whole_world=True, export_copy=True, ignored_flags=_megatron_ignored),
 }
@@ -110,7 +134,8 @@ def engine_spec(name: str) -> EngineSpec:
 
 
 def build_engine(role: Role, *, actor: ActorConfig, **kwargs: Any) -> TrainEngine:
-    """The actor (``role="actor"``, trainable) or the frozen reference of engine ``actor.engine``."""
+    """The actor (``role="actor"``, trainable), the frozen reference or the critic (``role="critic"``, a
+    trainable value model; pass ``critic=``) of engine ``actor.engine``."""
     return engine_spec(actor.engine).build(role, actor=actor, **kwargs)
 
 
@@ -127,4 +152,4 @@ def build_teacher(*, teacher: TeacherConfig, actor: ActorConfig, model_folder: s
 
 
 __all__ = ["ENGINES", "ActorLayout", "EngineSpec", "LossFn", "NonfiniteGuard", "TrainEngine", "build_engine", "build_teacher",
-           "engine_spec", "lr_lambda"]
+           "critic_optimizer", "engine_spec", "lr_lambda"]

@@ -102,8 +102,9 @@ class NonfiniteGuard:
     The gradient norm is reduced over every rank of the engine, so all ranks take the same branch.
     """
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, limit: int, role: str = "actor") -> None:
+        """``role``: whose update it guards (``actor`` or ``critic``), named in the messages."""
+        self.limit, self.role = limit, role
         self.streak = 0
         """Optimizer steps skipped in a row."""
 
@@ -117,12 +118,12 @@ class NonfiniteGuard:
         why = cause() if cause is not None else "the loss or the model produced NaN/inf"
         if self.streak > self.limit:
             raise FloatingPointError(
-                f"non-finite gradient norm ({grad_norm}) in the actor update, {self.streak} update(s) in a row "
-                f"({why}). Lower --actor.lr, check the reward values, raise --actor.skip-nonfinite-updates "
+                f"non-finite gradient norm ({grad_norm}) in the {self.role} update, {self.streak} update(s) in a row "
+                f"({why}). Lower --{self.role}.lr, check the reward values, raise --actor.skip-nonfinite-updates "
                 f"(now {self.limit}) to skip such updates, or resume from the last checkpoint; the optimizer "
                 "step was skipped and no weights changed")
-        log.warning("skipped an actor update with a non-finite gradient norm (%s in a row of at most %d): %s",
-                    self.streak, self.limit, why)
+        log.warning("skipped a%s %s update with a non-finite gradient norm (%s in a row of at most %d): %s",
+                    "n" if self.role == "actor" else "", self.role, self.streak, self.limit, why)
         return True
 
 

@@ -37,8 +37,9 @@ the optimizer step (:class:`~spmd_rl.engine.base.NonfiniteGuard`, at most
 ``named_full_tensors`` casts shards before the gather (no collective on a one-rank mesh).
 ``offload`` / ``onload`` move the sharded parameters (``actor.fsdp.param_offload``,
 ``ref.param_offload``) and the AdamW state (``actor.fsdp.optimizer_offload``) to the CPU between
-phases and back; both are idempotent and no-ops on CPU runs. The same class is the actor and the
-frozen reference (``trainable=False``).
+phases and back; both are idempotent and no-ops on CPU runs. The same class is the actor, the
+frozen reference (``trainable=False``) and the critic (``value_model=True``: values in place of
+log-probs, :mod:`spmd_rl.engine.value`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available, keep_logits_bytes
 from spmd_rl.engine.inputs import Staged, stage
 from spmd_rl.engine.nanwatch import NonfiniteWatch
+from spmd_rl.engine.value import ValueHead, load_value_model
 from spmd_rl.models import check_sliding_window, load_causal_lm, sliding_window
 
 log = logging.getLogger("spmd_rl")
@@ -98,12 +100,16 @@ class FSDPEngine:
         max_tokens_per_gpu: int | None = None,
         param_offload: bool | None = None,
         logits_chunk_tokens: int | None = None,
+        value_model: bool = False,
+        seed: int = 0,
     ) -> None:
         """``group``: every rank running this engine in lockstep (the pool; None = the world);
         dynamic micro-batch counts are agreed over it. ``sp_group``: this rank's Ulysses group
         (None or size 1 = off). ``param_offload`` overrides ``fsdp.param_offload`` (the reference
         engine follows ``ref.param_offload``). ``logits_chunk_tokens``: positions per chunk of the
-        log-prob head (None = 1 GiB of fp32 logits per chunk, see :mod:`spmd_rl.engine.head`)."""
+        log-prob head (None = 1 GiB of fp32 logits per chunk, see :mod:`spmd_rl.engine.head`).
+        ``value_model``: the critic, a one-output token classifier whose values take the place of
+        log-probs everywhere (:mod:`spmd_rl.engine.value`; a new head is initialised from ``seed``)."""
         if trainable and actor is None:
             raise ValueError("a trainable FSDPEngine needs the actor config section")
         self.device = device
@@ -126,15 +132,20 @@ class FSDPEngine:
         # batches (docs/RESULTS.md); its left padding also makes fully masked query rows.
         self.flash_varlen = self.on_gpu and ulysses.flash_varlen_available()
         ulysses.register_attention()
-        model = load_causal_lm(model_folder, dtype=torch.float32, trust_remote_code=trust_remote_code,
-                               attn_implementation=ulysses.ATTENTION_NAME)
+        if value_model:
+            model = load_value_model(model_folder, dtype=torch.float32, seed=seed, trust_remote_code=trust_remote_code,
+                                     attn_implementation=ulysses.ATTENTION_NAME)
+        else:
+            model = load_causal_lm(model_folder, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                                   attn_implementation=ulysses.ATTENTION_NAME)
         if self.sp_group is not None:
             ulysses.check_heads(model.config, self.sp_size)
         model.config.use_cache = False
         # RoPE on the projections' own layout, no transposed copies (engine/attention.py); others keep HF's
         self.natural_attention = attention.install(model)
         self.sliding_window = sliding_window(model.config)
-        self._head = LogprobHead.replace(model)  # log-probs at the requested positions, chunked over the vocab
+        # log-probs at the requested positions, chunked over the vocab; or the critic's values there
+        self._head = ValueHead.replace(model) if value_model else LogprobHead.replace(model)
         self.logits_chunk_tokens = logits_chunk_tokens or default_chunk_tokens(int(model.config.vocab_size))
         self.fused_head = fused_available(device)  # compiled vocabulary kernels on CUDA (engine/head.py)
         self.keep_logits_bytes = keep_logits_bytes(fsdp.keep_logits_gib, device)
@@ -164,7 +175,8 @@ class FSDPEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.grad_clip = 0.0
-        self.nonfinite = NonfiniteGuard(actor.skip_nonfinite_updates if actor is not None else 0)
+        self.nonfinite = NonfiniteGuard(actor.skip_nonfinite_updates if actor is not None else 0,
+                                        role="critic" if value_model else "actor")
         self.actor = actor  # this run's optimizer settings, which replace a checkpoint's (load_state_dict)
         if trainable:
             assert actor is not None
