@@ -130,18 +130,15 @@ def evaluate(cfg: Config, flags: EvalFlags, env: DistEnv) -> dict[str, float | i
     gen_s = time.perf_counter() - start
     gathered = all_gather_objects((rows, new_tokens, gen_s), group)
     rows = sorted((r for part, _, _ in gathered for r in part), key=lambda r: (r["index"], r["sample"]))
-    by_prompt: dict[int, list[bool]] = {}
-    for r in rows:
-        by_prompt.setdefault(r["index"], []).append(r["correct"])
     tokens = sum(t for _, t, _ in gathered)
     slowest = max(s for _, _, s in gathered)
     summary = {
         "model": cfg.model.path, "checkpoint": flags.from_checkpoint, "task": cfg.data.task,
-        "path": cfg.data.val_path or cfg.data.path, "prompts": len(by_prompt), "dropped_too_long": dropped,
+        "path": cfg.data.val_path or cfg.data.path, "prompts": len({r["index"] for r in rows}), "dropped_too_long": dropped,
         "samples_per_prompt": cfg.trainer.val_n,
         "accuracy": sum(r["correct"] for r in rows) / len(rows),
         "score": sum(r["score"] for r in rows) / len(rows),
-        **sample_metrics(by_prompt),
+        **sample_metrics((r["index"], r["correct"]) for r in rows),
         "truncated": sum(r["truncated"] for r in rows) / len(rows),
         "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.trainer.val_temperature,
         "world_size": env.world_size, "setup_s": round(setup_s, 2), "generate_s": round(slowest, 2),

@@ -1,7 +1,7 @@
 """pass@k and mean@N of held-out answers, when ``trainer.val_n`` answers are sampled per prompt.
 
     pass_at_k(n=8, c=3, k=2)                      # 1 - C(5, 2) / C(8, 2) = 0.642...
-    sample_metrics({0: [True, False], 1: [False, False]}, prefix="val/")
+    sample_metrics([(0, True), (0, False), (1, False), (1, False)], prefix="val/")   # (prompt, correct) per answer
     # {"val/pass@1": 0.25, "val/pass@2": 0.5, "val/mean@2": 0.25}
 
 ``pass@k`` is the unbiased estimator of the chance that at least one of k answers is correct, from
@@ -16,7 +16,7 @@ is left out of pass@k for that k.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable
 from fractions import Fraction
 from math import comb
 
@@ -39,16 +39,19 @@ def ks_for(n: int) -> list[int]:
     return out + [n]
 
 
-def sample_metrics(correct: Mapping[int, Sequence[bool]], *, prefix: str = "") -> dict[str, float]:
+def sample_metrics(answers: Iterable[tuple[int, bool]], *, prefix: str = "") -> dict[str, float]:
     """``pass@k`` for every k of :func:`ks_for` (the largest answer count) and ``mean@N`` (N = the
-    largest answer count), averaged over the prompts of ``correct`` (prompt -> its answers' correctness)."""
+    largest answer count), averaged over the prompts of ``answers``: (prompt id, correct) per answer."""
+    correct: dict[int, list[bool]] = {}
+    for prompt, ok in answers:
+        correct.setdefault(prompt, []).append(bool(ok))
     if not correct:
         return {}
     n = max(len(v) for v in correct.values())
     out: dict[str, float] = {}
     for k in ks_for(n):
-        values = [pass_at_k(len(v), sum(map(bool, v)), k) for v in correct.values() if len(v) >= k]
+        values = [pass_at_k(len(v), sum(v), k) for v in correct.values() if len(v) >= k]
         out[f"{prefix}pass@{k}"] = sum(values) / len(values)
-    means = [sum(map(bool, v)) / len(v) for v in correct.values() if v]
+    means = [sum(v) / len(v) for v in correct.values()]
     out[f"{prefix}mean@{n}"] = sum(means) / len(means)
     return out

@@ -508,13 +508,10 @@ class Trainer:
         result = self.reward([self.val_samples[i] for i in mine], texts, prompt_ids, responses)
         results = [(i, float(s), m >= 1.0 - 1e-6) for i, s, m in zip(mine, result.scores, result.main_scores)]
         gathered = [r for part in all_gather_objects(results, self.group) for r in part]
-        by_prompt: dict[int, list[bool]] = {}
-        for i, _, ok in gathered:
-            by_prompt.setdefault(i, []).append(ok)
         return {
             "val/score": sum(s for _, s, _ in gathered) / len(gathered),
             "val/accuracy": sum(ok for _, _, ok in gathered) / len(gathered),
-            **sample_metrics(by_prompt, prefix="val/"),
+            **sample_metrics(((i, ok) for i, _, ok in gathered), prefix="val/"),
         }
 
     def _validate_colocated(self, sampling: dict) -> tuple[list[int], list[list[int]], list[list[int]]]:

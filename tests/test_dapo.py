@@ -164,7 +164,8 @@ def test_section_checks(flags, message):
 
 TINY_DAPO = [
     "--config", os.path.join(REPO, "configs", "dapo.yaml"), "--model.path", "tiny-random",
-    "--data.val-size", "8", "--rollout.max-new-tokens", "8", "--reward.overlong-buffer", "2",
+    "--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "8", "--data.val-size", "8",
+    "--rollout.max-new-tokens", "8", "--reward.overlong-buffer", "2",
     "--actor.lr", "3e-3", "--actor.micro-batch-size", "16", "--reward.fn", "support.rewards:digit_fraction_on_odd_prompts",
     "--logging.wandb", "off", "--logging.no-console", "--trainer.val-every", "0", "--trainer.stall-timeout-s", "0",
     "--checkpoint.no-save-final",
