@@ -67,3 +67,13 @@ def test_evaluate_samples_val_n_answers_per_prompt(tmp_path):
     assert summary["mean@4"] == pytest.approx(summary["accuracy"]) == pytest.approx(sum(r["correct"] for r in rows) / 20)
     assert 0 < summary["pass@1"] < summary["pass@4"], summary  # neither all right nor all wrong
     assert "pass@4" in proc.stdout
+
+
+def test_a_config_yaml_with_the_old_val_temperature_key_still_loads(tmp_path):
+    """rollout.val_temperature moved to trainer.val_temperature: a run folder's older config.yaml loads."""
+    old = tmp_path / "config.yaml"
+    old.write_text("rollout:\n  n: 4\n  val_temperature: 0.5\ntrainer:\n  val_n: 2\n")
+    cfg = load_config(["--config", str(old)])
+    assert (cfg.trainer.val_temperature, cfg.trainer.val_n, cfg.rollout.n) == (0.5, 2, 4)
+    old.write_text("rollout:\n  val_temperature: 0.5\ntrainer:\n  val_temperature: 0.7\n")
+    assert load_config(["--config", str(old)]).trainer.val_temperature == 0.7
