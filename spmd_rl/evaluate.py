@@ -1,8 +1,10 @@
-"""Score a model on held-out prompts: greedy answers, the task's rule reward, accuracy. SPMD like
-the trainer (the prompts are split over the ranks), or one process.
+"""Score a model on held-out prompts: greedy answers (or ``trainer.val_n`` sampled ones with pass@k),
+the task's rule reward, accuracy. SPMD like the trainer (the prompts are split over the ranks), or
+one process.
 
     python -m spmd_rl.evaluate                                              # base model, default task
     python -m spmd_rl.evaluate --from-checkpoint runs/quickstart                 # its newest checkpoint
+    python -m spmd_rl.evaluate --trainer.val-n 8 --trainer.val-temperature 1.0 --limit 16  # pass@1..8
     torchrun --nproc-per-node 8 -m spmd_rl.evaluate --config configs/gsm8k.yaml \
         --data.val-path /data/gsm8k/test.jsonl --from-checkpoint runs/gsm8k --out gsm8k_test.json
 
@@ -12,11 +14,14 @@ same task, prompt format and lengths it trained on. Which prompts: every record 
 of ``data.val_size`` prompts, exactly what the trainer validates on. Weights: ``model.path`` (a
 Hugging Face folder, a ``.gguf`` file or a packaged model), overwritten by the actor of ``--from-checkpoint`` (a run
 folder, its ``checkpoints`` folder or one ``step_N``) when given. Decoding:
-``rollout.val_temperature`` (0 = greedy), ``rollout.max_new_tokens``.
+``trainer.val_n`` answers per prompt at ``trainer.val_temperature`` (default: one, greedy),
+``rollout.max_new_tokens``.
 
 A response counts as correct when the task's main scorer gives it full marks (the format bonus is
-not part of accuracy). Rank 0 prints the summary and writes it as JSON with ``--out``;
-``--samples-out`` writes one JSON line per prompt (prompt, completion, score, correct).
+not part of accuracy); accuracy and score are means over all answers, and the summary also holds
+``pass@k`` for k = 1, 2, 4, ... and val_n and ``mean@<val_n>`` (:mod:`spmd_rl.passk`). Rank 0
+prints the summary and writes it as JSON with ``--out``; ``--samples-out`` writes one JSON line per
+answer (prompt, completion, score, correct).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ log = logging.getLogger("spmd_rl")
 
 @dataclass(kw_only=True)
 class EvalFlags:
-    """Evaluation: greedy answers of a model or a checkpoint on held-out prompts."""
+    """Evaluation: greedy (or `trainer.val_n` sampled) answers of a model or a checkpoint on held-out prompts."""
 
     from_checkpoint: str | None = None
     """A run folder, its `checkpoints` folder or one `step_N` folder: its actor weights replace
@@ -52,7 +57,7 @@ class EvalFlags:
     out: str | None = None
     """Write the summary as JSON to this file (rank 0)."""
     samples_out: str | None = None
-    """Write one JSON line per prompt (prompt, completion, score, correct) to this file (rank 0)."""
+    """Write one JSON line per answer (prompt, completion, score, correct) to this file (rank 0)."""
 
 
 def held_out_prompts(cfg: Config, limit: int):
@@ -72,9 +77,10 @@ def held_out_prompts(cfg: Config, limit: int):
 def evaluate(cfg: Config, flags: EvalFlags, env: DistEnv) -> dict[str, float | int | str | None]:
     """Score this rank's share of the held-out prompts; every rank returns the same summary."""
     from spmd_rl.data.prompts import render_prompts
-    from spmd_rl.models import eos_token_ids, load_tokenizer, resolve_model_path
-    from spmd_rl.reward.registry import build_scorer
     from spmd_rl.data.tasks import columns_of
+    from spmd_rl.models import eos_token_ids, load_tokenizer, resolve_model_path
+    from spmd_rl.passk import sample_metrics
+    from spmd_rl.reward.registry import build_scorer
     from spmd_rl.rollout import build_rollout
 
     group = None  # the world: env.init() joins it, also as a world of one
@@ -106,31 +112,35 @@ def evaluate(cfg: Config, flags: EvalFlags, env: DistEnv) -> dict[str, float | i
     new_tokens = 0
     with fail_together(group=group, what="evaluation"):
         if mine:
-            out = rollout.generate([prompt_ids[i] for i in mine], n=1, temperature=cfg.rollout.val_temperature,
+            n = cfg.trainer.val_n
+            out = rollout.generate([prompt_ids[i] for i in mine], n=n, temperature=cfg.trainer.val_temperature,
                                    top_p=1.0, top_k=0, max_new_tokens=cfg.rollout.max_new_tokens,
                                    seed=cfg.trainer.seed)
             responses = [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)]
             new_tokens = int(out.response_mask.sum().item())
             texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            picked = [samples[i] for i in mine]
+            picked = [samples[i] for i in mine for _ in range(n)]  # prompt-major: n answers per prompt
             result = scorer([s.prompt for s in picked], texts, columns_of(picked))
-            for i, text, score, main, cut in zip(mine, texts, result.scores, result.main_scores,
-                                                  out.truncated.tolist()):
-                rows.append({"index": i, "prompt": samples[i].prompt, "completion": text, "score": float(score),
-                             "correct": bool(main >= 1.0 - 1e-6), "truncated": bool(cut)})
+            for row, (text, score, main, cut) in enumerate(zip(texts, result.scores, result.main_scores,
+                                                               out.truncated.tolist())):
+                i = mine[row // n]
+                rows.append({"index": i, "sample": row % n, "prompt": samples[i].prompt, "completion": text,
+                             "score": float(score), "correct": bool(main >= 1.0 - 1e-6), "truncated": bool(cut)})
     rollout.close()
     gen_s = time.perf_counter() - start
     gathered = all_gather_objects((rows, new_tokens, gen_s), group)
-    rows = sorted((r for part, _, _ in gathered for r in part), key=lambda r: r["index"])
+    rows = sorted((r for part, _, _ in gathered for r in part), key=lambda r: (r["index"], r["sample"]))
     tokens = sum(t for _, t, _ in gathered)
     slowest = max(s for _, _, s in gathered)
     summary = {
         "model": cfg.model.path, "checkpoint": flags.from_checkpoint, "task": cfg.data.task,
-        "path": cfg.data.val_path or cfg.data.path, "prompts": len(rows), "dropped_too_long": dropped,
+        "path": cfg.data.val_path or cfg.data.path, "prompts": len({r["index"] for r in rows}), "dropped_too_long": dropped,
+        "samples_per_prompt": cfg.trainer.val_n,
         "accuracy": sum(r["correct"] for r in rows) / len(rows),
         "score": sum(r["score"] for r in rows) / len(rows),
+        **sample_metrics((r["index"], r["correct"]) for r in rows),
         "truncated": sum(r["truncated"] for r in rows) / len(rows),
-        "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.rollout.val_temperature,
+        "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.trainer.val_temperature,
         "world_size": env.world_size, "setup_s": round(setup_s, 2), "generate_s": round(slowest, 2),
         "new_tokens_per_s": round(tokens / max(slowest, 1e-9), 1),
     }
@@ -172,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         env.shutdown()
     if env.is_main:
+        passk = "".join(f"; {k} {v:.4f}" for k, v in summary.items() if k.startswith("pass@") and k != "pass@1")
         print(f"accuracy {summary['accuracy']:.4f} on {summary['prompts']} prompts ({summary['task']}; "
-              f"score {summary['score']:.4f}; truncated {summary['truncated']:.3f}; "
+              f"score {summary['score']:.4f}{passk}; truncated {summary['truncated']:.3f}; "
               f"{summary['new_tokens_per_s']} new tok/s)")
         print(json.dumps(summary))
     return 0

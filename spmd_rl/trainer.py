@@ -13,8 +13,11 @@ else is symmetric. Per step:
                 share (colocated: on these ranks, then sleeps; else on the rollout pool, whose rows
                 come back already in the actor's layout);
 3. reward       each rank scores the responses it holds: rules, plus the reward model (colocated,
-                or a round trip to the reward pool when ``pools.reward_ranks`` > 0);
-4. relayout     rows move from the rollout's layout to the actor's data-parallel layout;
+                or a round trip to the reward pool when ``pools.reward_ranks`` > 0), plus DAPO's
+                overlong penalty (``reward.overlong_buffer``);
+4. relayout     rows move from the rollout's layout to the actor's data-parallel layout; with
+                ``algo.filter_groups`` (DAPO) stages 2-4 repeat with new prompts until the step holds
+                ``data.train_batch_size`` groups whose scores differ (:mod:`spmd_rl.algo.filtering`);
 5. old_logprob  actor log-probs before the update (several optimizer steps per batch, or IS);
 6. ref          frozen reference log-probs (when the KL loss or the KL reward is on);
 7. teacher      the teacher's log-probs, colocated or on the teacher pool (``algo.distill_coef``);
@@ -28,8 +31,8 @@ Every stage runs under a timer (``timing_s/<stage>``), which is also a ``stage/<
 range for ``trainer.profile_steps`` (:mod:`spmd_rl.profiling`). Metrics are accumulated locally and
 reduced over the pool once per step; the update's loss metrics stay device tensors until their
 mini-batch ends and are then read in one device-to-host copy (no sync per micro-batch). Validation
-(greedy answers on the held-out prompts) runs before the first step, every ``trainer.val_every``
-steps and after the last.
+(greedy answers on the held-out prompts, or ``trainer.val_n`` sampled ones with pass@k) runs before
+the first step, every ``trainer.val_every`` steps and after the last.
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ import logging
 import math
 import os
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from spmd_rl.algo.filtering import DynamicSampling
 from spmd_rl.algo.objective import actor_objective, compute_advantages
 from spmd_rl.checkpoint import Checkpointer, checkpoint_bytes
 from spmd_rl.checkpoint_files import model_parameters
@@ -60,7 +65,9 @@ from spmd_rl.distill import TeacherLink, check_tokenizers
 from spmd_rl.engine import build_engine, build_teacher, engine_spec
 from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, grpo_step_flops, peak_flops, phase_mfu
 from spmd_rl.models import FlopsModel, eos_token_ids, load_tokenizer, resolve_model_path
+from spmd_rl.passk import sample_metrics
 from spmd_rl.profiling import format_stage_times, profiled, stage_times
+from spmd_rl.reward import overlong_penalty
 from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout_from_config
 from spmd_rl.step import InFlight, Placement, StageTimer, rollout_seed
@@ -115,6 +122,10 @@ class Trainer:
                                   or cfg.algo.kl_in_reward)
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.dynamic = DynamicSampling(  # DAPO: rounds until data.train_batch_size groups whose scores differ
+            train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n, max_rounds=cfg.algo.max_sample_rounds,
+            group=self.group, actor_dp=self.place.actor_dp, actor_dp_size=self.place.actor_dp_size,
+            pad_token_id=self.pad_id) if cfg.algo.filter_groups else None
         self.step = 0
         self.checkpointer.track(model_folder=self.model_folder, export=self.actor.export_weights,
                                 actor=self.actor, sampler=self.sampler, optional=["in_flight"],  # none: nothing in flight
@@ -199,12 +210,9 @@ class Trainer:
                         self.sync_weights()
                     with timer("gen"):
                         batch = self.generate(acc)
-                with timer("reward"):
-                    self.score(batch, acc)
-                with timer("relayout"):
-                    batch = relayout(batch, src=self.place.rollout_source(self.pool.rank, self.pool.size),
-                                     dst=(self.place.actor_dp, self.place.actor_dp_size), group=self.group,
-                                     pad_token_id=self.pad_id)
+                batch = self.scored(batch, acc, timer)
+                if self.dynamic is not None:  # DAPO: more rounds until enough groups whose scores differ
+                    batch = self.dynamic.collect(batch, acc, more=partial(self.another_round, acc=acc, timer=timer))
                 with timer("old_logprob"):
                     self.old_logprobs(batch, acc)
                 with timer("ref"):
@@ -247,13 +255,14 @@ class Trainer:
             self.sampler.next_batch()  # keep every rank's sampler in step, for checkpoints
         return indices
 
-    def sampling(self, step: int) -> dict:
+    def sampling(self, step: int, round_: int = 0) -> dict:
+        """``round_``: the step's round of prompts (> 0 only under ``algo.filter_groups``)."""
         r = self.cfg.rollout
         return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                    seed=self.cfg.trainer.seed * 1_000_003 + step * 7919)  # + the replica's dp rank
+                    seed=self.cfg.trainer.seed * 1_000_003 + step * 7919 + round_ * 104_729)  # + the replica's dp rank
 
-    def generate(self, acc: MetricAccumulator) -> RolloutBatch:
-        indices, sampling = self.draw(), self.sampling(self.step)
+    def generate(self, acc: MetricAccumulator, round_: int = 0) -> RolloutBatch:
+        indices, sampling = self.draw(), self.sampling(self.step, round_)
         if self.link is not None:  # the rollout pool generates; this rank's rows come back in the actor layout
             rows, out = self.link.generate([self.train_ids[i] for i in indices] if self.env.is_main else None,
                                            sampling, kind="train", num_prompts=len(indices), pad_token_id=self.pad_id)
@@ -339,12 +348,36 @@ class Trainer:
             self.rollout.load_weights(self.actor.named_full_tensors(dtype=dtype))
         self.rollout_version = self.policy_version
 
+    def another_round(self, round_: int, acc: MetricAccumulator, timer: StageTimer) -> RolloutBatch:
+        """``algo.filter_groups``: one more round of prompts for this step, generated and scored."""
+        with timer("weight_sync"):  # a no-op unless the rollout dropped its weights when it slept (level 2)
+            self.sync_weights()
+        with timer("gen"):
+            batch = self.generate(acc, round_)
+        return self.scored(batch, acc, timer)
+
+    def scored(self, batch: RolloutBatch, acc: MetricAccumulator, timer: StageTimer) -> RolloutBatch:
+        """A round's rows scored and moved to the actor's data-parallel layout."""
+        with timer("reward"):
+            self.score(batch, acc)
+        with timer("relayout"):
+            return relayout(batch, src=self.place.rollout_source(self.pool.rank, self.pool.size),
+                            dst=(self.place.actor_dp, self.place.actor_dp_size), group=self.group,
+                            pad_token_id=self.pad_id)
+
     def score(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
         samples = [self.train_samples[i] for i in batch.extras["sample"]]
         responses = [ids[mask.bool()].tolist() for ids, mask in zip(batch["response_ids"], batch["response_mask"])]
         completions = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         result = self.reward(samples, completions, batch.prompts, responses)
         scores = torch.tensor(result.scores, dtype=torch.float32)
+        r = self.cfg.reward
+        if r.overlong_buffer:  # DAPO's soft overlong punishment, part of the score the advantages see
+            penalty = overlong_penalty(batch["response_mask"].sum(1), max_len=self.cfg.rollout.max_new_tokens,
+                                       buffer=r.overlong_buffer, factor=r.overlong_factor)
+            scores = scores + penalty
+            for p in penalty.tolist():
+                acc.add("reward/overlong_penalty/mean", p)
         batch["scores"] = scores
         batch.extras["completion"] = completions
         for s in scores.tolist():
@@ -476,17 +509,19 @@ class Trainer:
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """Greedy (``rollout.val_temperature``) answers to the held-out prompts; mean score and accuracy."""
+        """``trainer.val_n`` answers per held-out prompt at ``trainer.val_temperature`` (default: one, greedy);
+        mean score and accuracy over all answers, pass@k and mean@N (spmd_rl.passk)."""
         if not self.val_samples:
             return {}
         self.sync_weights()
-        sampling = dict(n=1, temperature=self.cfg.rollout.val_temperature, top_p=1.0, top_k=0,
+        n = self.cfg.trainer.val_n
+        sampling = dict(n=n, temperature=self.cfg.trainer.val_temperature, top_p=1.0, top_k=0,
                         max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)
         if self.link is not None:  # each actor rank gets an even share of the answers, scored once
             self.link.issue(self.val_ids if self.env.is_main else None, sampling, kind="val",
                             num_prompts=len(self.val_ids), pad_token_id=self.pad_id)
             (start, end), out = self.link.take(last=True)  # after the training rounds in flight
-            mine = list(range(start, end))
+            mine = [row // n for row in range(start, end)]  # the prompt of each row (prompt-major, n each)
             prompt_ids = [self.val_ids[i] for i in mine]
             responses = [ids[mask.bool()].tolist() for ids, mask in zip(out["response_ids"], out["response_mask"])]
         else:
@@ -494,15 +529,16 @@ class Trainer:
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True) if responses else []  # [] -> ['']
         # every rank scores, also with no prompts: scoring is collective (fail_together, reward model)
         result = self.reward([self.val_samples[i] for i in mine], texts, prompt_ids, responses)
-        results = [(float(s), float(m >= 1.0 - 1e-6)) for s, m in zip(result.scores, result.main_scores)]
+        results = [(i, float(s), m >= 1.0 - 1e-6) for i, s, m in zip(mine, result.scores, result.main_scores)]
         gathered = [r for part in all_gather_objects(results, self.group) for r in part]
         return {
-            "val/score": sum(s for s, _ in gathered) / len(gathered),
-            "val/accuracy": sum(a for _, a in gathered) / len(gathered),
+            "val/score": sum(s for _, s, _ in gathered) / len(gathered),
+            "val/accuracy": sum(ok for _, _, ok in gathered) / len(gathered),
+            **sample_metrics(((i, ok) for i, _, ok in gathered), prefix="val/"),
         }
 
     def _validate_colocated(self, sampling: dict) -> tuple[list[int], list[list[int]], list[list[int]]]:
-        """This rank's validation prompts (indices, ids) and greedy answers on the colocated rollout."""
+        """This rank's validation answers on the colocated rollout, with each one's prompt (index, ids)."""
         dp, mp, mp_size = self.place.rollout_dp, self.place.rollout_mp, self.place.rollout_mp_size
         share = math.ceil(len(self.val_samples) / self.place.rollout_dp_size)
         mine = list(range(dp * share, min((dp + 1) * share, len(self.val_samples))))
@@ -512,8 +548,10 @@ class Trainer:
         if mine:
             out = self.rollout.generate(prompt_ids, **sampling)
             responses = [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)]
+            mine = [i for i in mine for _ in range(sampling["n"])]  # prompt-major: n answers per prompt
+            prompt_ids = [self.val_ids[i] for i in mine]
         self.rollout.sleep(self.cfg.rollout.sleep_level)
-        if mp_size > 1:  # the replica's ranks got the same answers: each scores a share
+        if mp_size > 1:  # the replica's ranks got the same answers: each scores a share of the rows
             part = math.ceil(len(mine) / mp_size)
             keep = range(mp * part, min((mp + 1) * part, len(mine)))
             mine, prompt_ids, responses = ([xs[i] for i in keep] for xs in (mine, prompt_ids, responses))

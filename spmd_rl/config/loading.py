@@ -138,12 +138,30 @@ def _from_dict(cls: type, data: dict[str, Any], where: str) -> Any:
     return cls(**kwargs)
 
 
+# Keys that moved to another section, old -> new: a run's config.yaml written before a move still
+# loads (``python -m spmd_rl.evaluate --config RUN_DIR/config.yaml``); the new key wins when both are set.
+MOVED_KEYS = {("rollout", "val_temperature"): ("trainer", "val_temperature")}
+
+
+def _move_keys(data: Any) -> Any:
+    if not isinstance(data, dict):
+        return data
+    for (old_section, old_key), (new_section, new_key) in MOVED_KEYS.items():
+        old = data.get(old_section)
+        if isinstance(old, dict) and old_key in old:
+            value = old.pop(old_key)
+            new = data.setdefault(new_section, {})
+            if isinstance(new, dict):
+                new.setdefault(new_key, value)
+    return data
+
+
 def from_yaml(path: str) -> Config:
     """Read a YAML preset into a :class:`Config`; missing keys keep their defaults."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--config {path}: no such file")
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        data = _move_keys(yaml.safe_load(f) or {})
     try:
         return _from_dict(Config, data, "")
     except (TypeError, ValueError) as e:  # every message names the file and the key

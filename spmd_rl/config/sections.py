@@ -121,8 +121,6 @@ class RolloutConfig:
     rest equally. Checked at start against the sum on each GPU."""
     max_model_len: int | None = None
     """vLLM: context length; None = max prompt length + max new tokens."""
-    val_temperature: float = 0.0
-    """Temperature of validation generation (0 = greedy)."""
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, f"rollout.n must be >= 1, got {self.n}")
@@ -186,6 +184,15 @@ class AlgoConfig:
     distill_coef: float = 0.0
     """On-policy distillation: add this times the per-token reverse KL to the teacher
     (`teacher.model.path`) on the sampled tokens to the objective (0 = off). Logged as `actor/distill_kl`."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: drop the groups whose `rollout.n` scores are all equal (zero advantage,
+    no gradient) and generate further rounds of `data.train_batch_size` prompts until that many
+    informative groups are collected; the first ones in round order are trained on (spmd_rl/algo/filtering.py).
+    Logged as `batch/sample_rounds` and `batch/filtered_groups`."""
+    max_sample_rounds: int = 10
+    """With `algo.filter_groups`: the most rounds one step may generate; a step still short of
+    `data.train_batch_size` informative groups after them stops the run with an error, as verl's DAPO
+    does (0 = no limit)."""
 
     def __post_init__(self) -> None:
         _check(self.clip_low >= 0 and self.clip_high >= 0, f"algo.clip_low ({self.clip_low}) and algo.clip_high ({self.clip_high}) must be >= 0")
@@ -197,6 +204,7 @@ class AlgoConfig:
         _check(self.rollout_is_cap >= 1, f"algo.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
         _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
                f"algo.gamma ({self.gamma}) and algo.lam ({self.lam}) must be in [0, 1]")
+        _check(self.max_sample_rounds >= 0, f"algo.max_sample_rounds must be >= 0 (0 = no limit), got {self.max_sample_rounds}")
 
 
 @dataclass(kw_only=True)
@@ -245,9 +253,18 @@ class RewardConfig:
     keeps its thread until the process exits. The built-in scorers run in the calling thread."""
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """Reward model scored on every response and added to the rule score."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment on the training scores (0 = off): a response longer than
+    `rollout.max_new_tokens` - this many tokens gets a penalty falling linearly from 0 to
+    -`reward.overlong_factor` at `rollout.max_new_tokens` (spmd_rl.reward.overlong_penalty), added to its
+    score. Logged as `reward/overlong_penalty/mean`; validation scores are not shaped."""
+    overlong_factor: float = 1.0
+    """The overlong penalty of a response of `rollout.max_new_tokens` tokens (`reward.overlong_buffer` > 0)."""
 
     def __post_init__(self) -> None:
         _check(self.timeout_s >= 0, f"reward.timeout_s must be >= 0 (0 = no limit), got {self.timeout_s}")
+        _check(self.overlong_buffer >= 0, f"reward.overlong_buffer must be >= 0 (0 = off), got {self.overlong_buffer}")
+        _check(self.overlong_factor >= 0, f"reward.overlong_factor must be >= 0, got {self.overlong_factor}")
         _check(self.fn.strip() != "none" or self.model.path is not None,
                "reward.fn=none scores every response 0: set --reward.model.path to use a reward model alone")
 
@@ -307,6 +324,12 @@ class TrainerConfig:
     """Run folder: resolved config, metrics.jsonl, checkpoints."""
     val_every: int = 10
     """Validate every N steps, plus before the first and after the last step (0 = never)."""
+    val_n: int = 1
+    """Answers sampled per held-out prompt at validation (and in `spmd_rl.evaluate`); with more than
+    one, `val/pass@k` (the unbiased estimator, k = 1, 2, 4, ... and val_n) and `val/mean@<val_n>` are
+    logged too (spmd_rl/passk.py). Needs `trainer.val_temperature` > 0."""
+    val_temperature: float = 0.0
+    """Temperature of validation generation (0 = greedy)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto` uses cuda:LOCAL_RANK when CUDA exists, else the CPU."""
     dist_timeout_s: int = 1800
@@ -330,6 +353,11 @@ class TrainerConfig:
         _check(self.total_steps >= 1, f"trainer.total_steps must be >= 1, got {self.total_steps}")
         _check(all(s >= 1 for s in self.profile_steps), f"trainer.profile_steps must be >= 1, got {self.profile_steps}")
         _check(self.val_every >= 0, f"trainer.val_every must be >= 0, got {self.val_every}")
+        _check(self.val_n >= 1, f"trainer.val_n must be >= 1, got {self.val_n}")
+        _check(self.val_temperature >= 0, f"trainer.val_temperature must be >= 0 (0 = greedy), got {self.val_temperature}")
+        _check(self.val_n == 1 or self.val_temperature > 0,
+               f"trainer.val_n={self.val_n} samples per prompt at trainer.val_temperature=0 (greedy) are "
+               f"{self.val_n} copies of one answer: set --trainer.val-temperature (e.g. 1.0) or --trainer.val-n 1")
         _check(self.dist_timeout_s >= 1, f"trainer.dist_timeout_s must be >= 1, got {self.dist_timeout_s}")
         _check(self.max_staleness >= 0, f"trainer.max_staleness must be >= 0, got {self.max_staleness}")
         _check(self.stall_timeout_s >= 0, f"trainer.stall_timeout_s must be >= 0 (0 = off), got {self.stall_timeout_s}")

@@ -168,6 +168,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
             f"nproc_per_node ({nproc_per_node}) must be >= 1 and divide the world size ({world_size})"
         )
     _check_sections(cfg)
+    _check_dapo(cfg)
     pools = cfg.pools
     specs = plan_pools(world_size, rollout_ranks=pools.rollout_ranks, teacher_ranks=pools.teacher_ranks,
                        reward_ranks=pools.reward_ranks)
@@ -268,6 +269,22 @@ def _check_sections(cfg: Config) -> None:
             f"actor.max_tokens_per_gpu ({budget}) * actor.fsdp.ulysses_size ({sp}) must be >= "
             f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_new_tokens "
             f"({cfg.rollout.max_new_tokens}) = {longest}, the longest sequence")
+
+
+def _check_dapo(cfg: Config) -> None:
+    """DAPO's dynamic sampling and overlong shaping against the rollout and the schedule."""
+    if cfg.algo.filter_groups and cfg.trainer.max_staleness > 0:
+        raise ValueError(
+            f"algo.filter_groups decides from each round's scores whether the step needs another round, which "
+            f"asynchronous GRPO (trainer.max_staleness={cfg.trainer.max_staleness}) has already issued ahead: set "
+            f"--trainer.max-staleness 0 or turn off --algo.filter-groups (--algo.no-filter-groups)")
+    if cfg.algo.filter_groups and cfg.rollout.n < 2:
+        raise ValueError(f"algo.filter_groups drops groups whose rollout.n scores are all equal, and a group of "
+                         f"rollout.n={cfg.rollout.n} always is: use --rollout.n 2 or more")
+    buffer, max_len = cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens
+    if buffer > max_len:
+        raise ValueError(f"reward.overlong_buffer ({buffer}) must be <= rollout.max_new_tokens ({max_len}): the "
+                         f"penalty falls from 0 at max_new_tokens - buffer to -reward.overlong_factor at max_new_tokens")
 
 
 def _check_pools(cfg: Config, pools: dict[str, PoolSpec], *, engine_whole_world: bool,

@@ -32,3 +32,15 @@ def hangs_on_seven(prompts: list[str], completions: list[str], **columns: list) 
 def zero(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
     """No reward at all: every advantage is 0, so only the other loss terms (KL, distillation) train."""
     return [0.0] * len(completions)
+
+
+def digit_fraction_on_odd_prompts(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    """`digit_fraction` for prompts whose character codes sum to an odd number, a constant 0.5 for the
+    others: about half of the groups have equal scores, which DAPO's dynamic sampling must drop."""
+    scores = digit_fraction(prompts, completions)
+    return [s if sum(map(ord, p)) % 2 else 0.5 for p, s in zip(prompts, scores)]
+
+
+def any_digit(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    """1 when the completion holds a digit, else 0: a tiny random model is right about half the time."""
+    return [float(any(c.isdigit() for c in text)) for text in completions]
