@@ -61,7 +61,7 @@ from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available, keep_logits_bytes
 from spmd_rl.engine.inputs import Staged, stage
 from spmd_rl.engine.nanwatch import NonfiniteWatch
-from spmd_rl.models import check_sliding_window, load_causal_lm, sliding_window
+from spmd_rl.models import load_causal_lm
 
 log = logging.getLogger("spmd_rl")
 
@@ -133,7 +133,9 @@ class FSDPEngine:
         model.config.use_cache = False
         # RoPE on the projections' own layout, no transposed copies (engine/attention.py); others keep HF's
         self.natural_attention = attention.install(model)
-        self.sliding_window = sliding_window(model.config)
+        if not self.natural_attention:
+            log.info("FSDPEngine: %s keeps Hugging Face's attention forward (model_type %r is not one of %s)",
+                     type(model).__name__, getattr(model.config, "model_type", None), attention.SUPPORTED_MODEL_TYPES)
         self._head = LogprobHead.replace(model)  # log-probs at the requested positions, chunked over the vocab
         self.logits_chunk_tokens = logits_chunk_tokens or default_chunk_tokens(int(model.config.vocab_size))
         self.fused_head = fused_available(device)  # compiled vocabulary kernels on CUDA (engine/head.py)
@@ -187,8 +189,6 @@ class FSDPEngine:
     def _stage(self, micro: RolloutBatch, rows: list[int] | None = None) -> Staged:
         """The micro-batch's forward inputs on the device (:mod:`spmd_rl.engine.inputs`); callers stage
         all their micro-batches before the first forward, so no host-to-device copy waits for the GPU."""
-        if self.sliding_window is not None:
-            check_sliding_window(max(packing.row_tokens(micro), default=0), self.sliding_window, engine="FSDP")
         return stage(micro, device=self.device, pad_token_id=self.pad_token_id, packed=self.use_packing,
                      flash=self.flash_varlen, sp_size=self.sp_size, sp_rank=self.sp_rank, sp_group=self.sp_group,
                      rows=rows)
