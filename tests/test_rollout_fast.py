@@ -256,14 +256,20 @@ def test_fallbacks_are_logged_and_use_the_hf_loop(root: Path, prompts, caplog: p
 
 def test_sliding_window_past_the_window_equals_the_hf_loop(root: Path, prompts,
                                                            caplog: pytest.LogCaptureFixture) -> None:
-    """Mistral's window on every layer: prompts and answers longer than it stay on the fast path."""
+    """Mistral's window on every layer: prompts and answers longer than it stay on the fast path, every
+    layer's K/V in the window-sized ring (slots wrap around it), and Gemma 3's local layers in the ring
+    beside its global layer's full-length cache."""
     mistral = build(root, "mistral-window", MistralForCausalLM, MistralConfig(num_key_value_heads=2,
                                                                               sliding_window=12, **COMMON))
     e = engine(mistral)
     with caplog.at_level(logging.WARNING, logger="spmd_rl"):
         long = greedy(e, prompts)  # up to 14 + 20 tokens, window 12
-    assert not caplog.text and e._fast.cache is not None and e._fast.windows == [12, 12]
+    assert not caplog.text and e._fast.windows == [12, 12]
+    assert e._fast.cache.shape[0] == 0 and e._fast.ring.shape[:2] == (2, 2) and e._fast.ring.shape[4] == 12
     assert_same(long, greedy(engine(mistral, fast=False), prompts))
+    gemma = engine(build(root, "gemma3-window"))
+    greedy(gemma, prompts, max_new_tokens=2)  # its equality to HF: the greedy test's gemma3-window shape
+    assert gemma._fast.cache.shape[0] == 1 and gemma._fast.ring.shape[0] == 2 and gemma._fast.ring.shape[4] == 6
 
 
 def test_moe_experts_loop_equals_grouped_gemms(root: Path, prompts, monkeypatch: pytest.MonkeyPatch) -> None:

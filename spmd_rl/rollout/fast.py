@@ -32,10 +32,12 @@ How a chunk of ``b`` left-padded rows runs:
   attention and MLP outputs too, embeds times ``sqrt(hidden)`` (its embedding module), soft-caps the
   final logits when configured and reads a RoPE table per layer type (local and global bases);
   Qwen3-MoE layers route each token to its top-k experts through grouped GEMMs (:func:`moe_mlp`);
-* sliding-window layers (Gemma 3's local layers, Mistral, Qwen2 with ``use_sliding_window``) mask the
-  slots more than ``window - 1`` positions back, in the same full-length cache as the other layers:
-  exact at any length, but the cache of a windowed layer is not window-sized (a limitation: its
-  memory is that of a global layer); On CUDA the whole step, sampling included, is one
+* sliding-window layers (Gemma 3's local layers, Mistral, Qwen2 with ``use_sliding_window``) keep a
+  window-sized ring cache of their own (``ring [windowed layers, 2, rows, kv_heads, min(window, slots),
+  head_dim]``): slot ``s`` lives at ring index ``s % R``, so a step overwrites the entry that just left
+  the window, and the mask keeps the entries whose slot is inside the row and the window. The other
+  layers' cache (``cache``, full length) holds the global layers only; a prefill longer than the window
+  writes its last ``R`` slots to the ring; On CUDA the whole step, sampling included, is one
   CUDA graph per batch bucket and sampling setting; the host only draws the step's uniforms and
   replays it;
 * sampling is by inverse CDF: one uniform ``u`` per row (drawn from the caller's ``torch.Generator``,
@@ -103,6 +105,13 @@ class FastDecoder:
         self.vocab = int(model.lm_head.out_features)
         self.family = FAMILIES[config.model_type]
         self.windows = layer_windows(config)  # per layer: sliding window or None
+        # per layer: (in the ring, index in its cache); windowed layers keep a window-sized ring cache
+        counts = [0, 0]
+        self._kv_of = []
+        for w in self.windows:
+            self._kv_of.append((w is not None, counts[w is not None]))
+            counts[w is not None] += 1
+        self.window = max((w for w in self.windows if w), default=None)
         keys = rope_types(model)  # per layer: its RoPE table (Gemma 3: one per layer type)
         self.rope_keys = list(dict.fromkeys(keys))
         self.rope_of = [self.rope_keys.index(k) for k in keys]
@@ -143,7 +152,8 @@ class FastDecoder:
         self.prefill_tokens = prefill_tokens
         self.use_graphs = self.device.type == "cuda" and (moe is None or self.grouped_experts)
         self.check_every = 4 if self.use_graphs else 1
-        self.cache: torch.Tensor | None = None
+        self.cache: torch.Tensor | None = None  # the full-length layers' K/V
+        self.ring: torch.Tensor | None = None  # the windowed layers' K/V (window-sized)
         self._shape: tuple[int, int] | None = None  # (rows, slots) of the last cache, for restore()
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, greedy, top_k, top_p) -> the step
         self._pool = None
@@ -155,7 +165,7 @@ class FastDecoder:
         """Free the KV cache, the step's buffers and the CUDA graphs (their memory pool)."""
         for graph in self._graphs.values():
             graph.reset()
-        self._graphs, self._pool, self.cache, self._eos = {}, None, None, None
+        self._graphs, self._pool, self.cache, self.ring, self._eos = {}, None, None, None, None
         for name in self._STEP_BUFFERS:
             setattr(self, name, None)
 
@@ -165,18 +175,21 @@ class FastDecoder:
             self._allocate(*self._shape)
 
     def _ensure_cache(self, rows: int, slots: int) -> None:
-        if self.cache is not None and self.cache.shape[2] >= rows and self.cache.shape[4] >= slots:
+        if self.cache is not None and self._shape[0] >= rows and self._shape[1] >= slots:
             return
         if self.cache is not None:
-            rows, slots = max(rows, self.cache.shape[2]), max(slots, self.cache.shape[4])
+            rows, slots = max(rows, self._shape[0]), max(slots, self._shape[1])
         self.release()
         self._allocate(rows, -(-slots // 64) * 64)
 
     def _allocate(self, rows: int, slots: int) -> None:
         """The cache and every buffer a captured step reads or writes (fixed addresses for the graphs)."""
         dtype, dev = self.inner.embed_tokens.weight.dtype, self.device
-        self.cache = torch.zeros(len(self.layers), 2, rows, self.kv_heads, slots, self.head_dim, dtype=dtype,
-                                 device=dev)
+        windowed = sum(w is not None for w in self.windows)
+        self.cache = torch.zeros(len(self.layers) - windowed, 2, rows, self.kv_heads, slots, self.head_dim,
+                                 dtype=dtype, device=dev)
+        self.ring = torch.zeros(windowed, 2, rows, self.kv_heads, min(self.window or 0, slots), self.head_dim,
+                                dtype=dtype, device=dev)
         self._shape = (rows, slots)
         long = dict(dtype=torch.long, device=dev)
         self._tok = torch.zeros(rows, **long)       # the token each row feeds the next forward
@@ -242,6 +255,11 @@ class FastDecoder:
         scaled.copy_(self._logits(x)).div_(self._temp)
         torch.logsumexp(scaled, dim=-1, out=self._lse[:rows])
 
+    def _kv(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s K/V, ``[2, rows, kv_heads, slots or ring size, head_dim]``."""
+        in_ring, j = self._kv_of[i]
+        return self.ring[j] if in_ring else self.cache[j]
+
     @staticmethod
     def _biases(allowed: torch.Tensor, windows: dict[int | None, torch.Tensor], dtype: torch.dtype,
                 ) -> dict[int | None, torch.Tensor]:
@@ -265,13 +283,20 @@ class FastDecoder:
         x = self.inner.embed_tokens(ids)
         bias = self._biases(allowed, {w: distance < w if w else None for w in set(self.windows)}, x.dtype)
         tables = [(self._cos[t][pos][:, :, None], self._sin[t][pos][:, :, None]) for t in range(len(self.rope_keys))]
+        ring = self.ring.shape[4]
+        last = ar[max(0, length - ring):]  # the prompt's slots a ring keeps, at ring index slot % size
         for i in range(len(self.layers)):
             cos, sin = tables[self.rope_of[i]]  # [b, P, 1, D]
             qk, v = self._in(i, x, cos, sin, self.attn_in)
             qk, v = qk.transpose(1, 2), v.transpose(1, 2)  # [b, H + Hkv, P, D], [b, Hkv, P, D]
             q, k = qk[:, :self.heads], qk[:, self.heads:]
-            self.cache[i, 0, row0:row0 + b, :, :length] = k
-            self.cache[i, 1, row0:row0 + b, :, :length] = v
+            kv = self._kv(i)
+            if self._kv_of[i][0]:
+                kv[0, row0:row0 + b, :, last % ring] = k[:, :, last]
+                kv[1, row0:row0 + b, :, last % ring] = v[:, :, last]
+            else:
+                kv[0, row0:row0 + b, :, :length] = k
+                kv[1, row0:row0 + b, :, :length] = v
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[self.windows[i]], scale=self.scaling)
@@ -285,17 +310,26 @@ class FastDecoder:
         pos = self._pos[:rows]
         valid = (self._slots[None, :] >= self._pad[:rows, None]) & (self._slots[None, :] <= self._slot)
         x = self.inner.embed_tokens(self._tok[:rows])
-        # Additive masks [rows, 1, 1, slots] per window, built once per step, broadcast over KV heads and
-        # query groups; a window keeps the slots fewer than its size back from this step's slot
-        near = {w: (self._slots > self._slot - w)[None] if w else None for w in set(self.windows)}
-        bias = {w: b[:, None, None, :] for w, b in self._biases(valid, near, x.dtype).items()}
+        # Additive masks [rows, 1, 1, slots or ring size], built once per step, broadcast over KV heads and
+        # query groups. Ring entry j holds the latest slot s <= this step's with s % R == j; it counts when
+        # that slot is one of the row's (not left padding) and fewer than the layer's window back.
+        bias = {None: self._biases(valid, {None: None}, x.dtype)[None][:, None, None, :]}
+        if self.window is not None:
+            ring = self.ring.shape[4]
+            held = self._slot - (self._slot - self._slots[:ring]) % ring  # [R] the slot at each ring index
+            live = (held[None, :] >= self._pad[:rows, None]) & (held >= 0)[None]
+            near = {w: (held > self._slot - w)[None] for w in set(self.windows) if w}
+            bias.update({w: m[:, None, None, :] for w, m in self._biases(live, near, x.dtype).items()})
+            ring_slot = self._slot % ring
         tables = [(self._cos[t][pos][:, None], self._sin[t][pos][:, None]) for t in range(len(self.rope_keys))]
         for i in range(len(self.layers)):
             cos, sin = tables[self.rope_of[i]]  # [rows, 1, D]
             qk, v = self._in(i, x, cos, sin, self._step_in)
-            k_cache, v_cache = self.cache[i, 0, :rows], self.cache[i, 1, :rows]
-            k_cache.index_copy_(2, self._slot, qk[:, self.heads:, None])
-            v_cache.index_copy_(2, self._slot, v[:, :, None])
+            kv = self._kv(i)
+            k_cache, v_cache = kv[0, :rows], kv[1, :rows]
+            at = ring_slot if self._kv_of[i][0] else self._slot
+            k_cache.index_copy_(2, at, qk[:, self.heads:, None])
+            v_cache.index_copy_(2, at, v[:, :, None])
             q = qk[:, :self.heads].unflatten(1, (self.kv_heads, self.group))  # query heads of one KV head together
             o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias[self.windows[i]], scale=self.scaling)
             x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
@@ -465,8 +499,9 @@ class FastDecoder:
         bucket. Rows past the live ones become spares: finished, writing to the spare output row."""
         keep = torch.nonzero(~self._finished[:cur]).squeeze(-1)
         n, new = keep.numel(), self.bucket(keep.numel())
-        for i in range(len(self.layers)):  # one layer at a time: the gather copy stays small
-            self.cache[i, :, :n] = self.cache[i][:, keep]
+        for cache in (self.cache, self.ring):
+            for i in range(cache.shape[0]):  # one layer at a time: the gather copy stays small
+                cache[i, :, :n] = cache[i][:, keep]
         for buf in (self._tok, self._pos, self._pad, self._row_of, self._scaled, self._lse):
             buf[:n] = buf[keep]
         self._row_of[n:new] = spare
