@@ -146,7 +146,11 @@ class FastDecoder:
         self.compile_layers = compile_layers
         # the decode step's halves: compiled (dynamic in the rows, so one artifact for every bucket) or not
         self._step_in = _DECODE.wrap(self.attn_in) if compile_layers else self.attn_in
-        self._step_out = {k: _DECODE.wrap(f) for k, f in outs.items()} if compile_layers else outs
+        # torch.compile traces grouped_mm for bf16 only (torch 2.13), and the experts loop syncs with the host:
+        # other MoE layers run their second half eagerly
+        compile_moe = self.grouped_experts and moe.experts.gate_up_proj.dtype == torch.bfloat16
+        self._step_out = {k: _DECODE.wrap(f) if compile_layers and (k != "moe" or compile_moe) else f
+                          for k, f in outs.items()}
         self.buckets = batch_buckets(max_batch)
         self.pad_token_id = int(pad_token_id)
         self.prefill_tokens = prefill_tokens
