@@ -100,7 +100,7 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         engines = dict(actor=cfg.actor, ref=cfg.ref, model=cfg.model, seed=cfg.trainer.seed, groups=groups,
                        model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
-                       total_updates=cfg.trainer.total_steps * self.updates_per_step)
+                       total_updates=cfg.trainer.total_steps * self.updates_per_step, moe_aux_coef=cfg.algo.moe_aux_coef)
         self.actor = build_engine("actor", **engines)
         self.ref = build_engine("ref", **engines) if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward else None
         self.critic = build_critic(critic=cfg.critic, algo=cfg.algo, actor_tokenizer=self.tokenizer, engines=engines,
@@ -478,6 +478,8 @@ class Trainer:
                     acc.add("actor/grad_norm", stats["grad_norm"])
                 acc.add("actor/skipped_updates", skipped * self.updates_per_step)  # mean x count = count
                 acc.add("actor/lr", stats["lr"])
+                if "moe_aux_loss" in stats:  # an MoE actor's router load-balancing loss (this rank's mean)
+                    acc.add("actor/moe_aux_loss", stats["moe_aux_loss"])
         self.actor.offload()  # params / optimizer state to CPU if configured (no-op on CPU runs)
         self.policy_version += 1
 

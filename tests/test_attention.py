@@ -4,8 +4,8 @@ The same weights run through HF's attention forward and through ``natural_layout
 ``[b, s, heads, d]``), both with the engine's attention function on packed rows: the dense-mask CPU
 path, and the flash layout path with a per-run SDPA standing in for the CUDA kernel. Outputs and
 every parameter gradient must agree (fp32), also with the layers under ``torch.compile``. Also:
-what ``install`` refuses, and the engine's error for a sequence longer than the model's sliding
-window.
+what ``install`` refuses, and the engine's log-probs against the model's own HF forward past sliding
+windows (Mistral, Gemma 3) and for Qwen3-MoE.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import copy
 import pytest
 import torch
 from transformers import (
-    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from spmd_rl.engine import attention, ulysses
@@ -32,6 +33,12 @@ MODELS = {
     "qwen3-gqa-qknorm": lambda: Qwen3ForCausalLM(Qwen3Config(num_key_value_heads=3, head_dim=8, use_sliding_window=False,
                                                              **COMMON)),
     "mistral-mha": lambda: MistralForCausalLM(MistralConfig(num_key_value_heads=6, sliding_window=None, **COMMON)),
+    "qwen3-moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(num_key_value_heads=3, head_dim=8, num_experts=4,
+                                                            num_experts_per_tok=2, moe_intermediate_size=16, **COMMON)),
+    # a local layer of window 3 (runs of 6 tokens go past it), then a global one
+    "gemma3-window": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        num_key_value_heads=3, head_dim=8, sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=12, **COMMON)),
 }
 # two packed rows: sequences of 3 and 2 tokens then one padding token, and one sequence of 6
 SEGMENTS = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 0, 0, 0, 0, 0]])
@@ -112,38 +119,52 @@ def test_install_leaves_other_models_alone() -> None:
     assert [type(m).forward for m in gpt2.modules()] == forwards and not any("forward" in vars(m) for m in gpt2.modules())
 
 
-def _window_body(rank: int, world_size: int, folder: str) -> dict:
+def _engine_body(rank: int, world_size: int, folders: dict[str, str]) -> dict:
     from spmd_rl.config import FsdpConfig
     from spmd_rl.data.batch import RolloutBatch
     from spmd_rl.distributed.dims import FsdpLayout
     from spmd_rl.engine.fsdp import FSDPEngine
 
-    engine = FSDPEngine(model_folder=folder, mesh=FsdpLayout(1).build("cpu"), device=torch.device("cpu"),
-                        fsdp=FsdpConfig(), trainable=False, pad_token_id=0)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 61, (n,), generator=gen).tolist() for n in (5, 9, 2)]
+    responses = torch.randint(3, 61, (3, 7), generator=gen)
+    mask = torch.ones(3, 7)
+    mask[0, 5:] = 0  # a shorter response
+    batch = RolloutBatch(prompts=prompts, tensors={"response_ids": responses, "response_mask": mask})
+    got = {}
+    for name, folder in folders.items():
+        for packed in (False, True) if name == "gemma3-window" else (False,):  # packed runs: Gemma 3's windows
+            engine = FSDPEngine(model_folder=folder, mesh=FsdpLayout(1).build("cpu"), device=torch.device("cpu"),
+                                fsdp=FsdpConfig(), trainable=False, pad_token_id=0, use_packing=packed)
+            logprobs, _ = engine.compute_logprobs(batch, temperature=0.7, micro_batch_size=2)
+            got[name, packed] = (logprobs, engine.natural_attention)
+    hf = {}
+    for name, folder in folders.items():  # HF's own forward (its own attention and masks), one row at a time
+        from spmd_rl.models import load_causal_lm
 
-    def batch(prompt: int, response: int) -> RolloutBatch:
-        return RolloutBatch(prompts=[list(range(3, 3 + prompt))],
-                            tensors={"response_ids": torch.full((1, response), 5),
-                                     "response_mask": torch.ones(1, response)})
-
-    logprobs, _ = engine.compute_logprobs(batch(4, 4), temperature=1.0, micro_batch_size=1)  # 8 tokens: fine
-    try:
-        engine.compute_logprobs(batch(5, 4), temperature=1.0, micro_batch_size=1)
-        error = None
-    except ValueError as exc:
-        error = str(exc)
-    return {"window": engine.sliding_window, "installed": engine.natural_attention,
-            "shape": tuple(logprobs.shape), "error": error}
+        model = load_causal_lm(folder, dtype=torch.float32)
+        rows = []
+        for p, r in zip(prompts, responses):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([p + r.tolist()])).logits[0]
+            lp = torch.log_softmax(logits / 0.7, -1)[len(p) - 1:len(p) + 6].gather(-1, r[:, None]).squeeze(-1)
+            rows.append(lp)
+        hf[name] = torch.stack(rows) * mask
+    return {"got": got, "hf": hf}
 
 
-def test_engine_refuses_sequences_longer_than_the_sliding_window(tmp_path) -> None:
-    """The engine's attention is full causal: a Mistral whose window a sequence exceeds must stop with the
-    flags to change, not train on a different function than the model's."""
+def test_engine_logprobs_equal_the_hf_forward_past_sliding_windows(tmp_path) -> None:
+    """The FSDP engine (padded and packed rows) against the model's own HF forward, with sequences of up to
+    16 tokens: Mistral (window 8 on every layer), Gemma 3 (a local layer of window 3, a global one) and
+    Qwen3-MoE (HF's expert GEMMs, the engine's attention)."""
     from spmd_rl.distributed.testing import run_distributed
 
-    MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=8, **COMMON)).save_pretrained(tmp_path)
-    (got,) = run_distributed(_window_body, 1, str(tmp_path))
-    assert got["window"] == 8 and got["installed"] and got["shape"] == (1, 4)
-    assert got["error"] is not None
-    assert "a sequence of 9 tokens exceeds the model's sliding window (8); the FSDP engine's" in got["error"]
-    assert "data.max_prompt_length + rollout.max_new_tokens" in got["error"]
+    torch.manual_seed(0)
+    folders = {"mistral-window": MistralForCausalLM(MistralConfig(num_key_value_heads=2, sliding_window=8, **COMMON)),
+               "gemma3-window": MODELS["gemma3-window"](), "qwen3-moe": MODELS["qwen3-moe"]()}
+    for name, model in folders.items():
+        model.save_pretrained(tmp_path / name)
+    (out,) = run_distributed(_engine_body, 1, {name: str(tmp_path / name) for name in folders})
+    for (name, packed), (logprobs, installed) in out["got"].items():
+        assert installed, name
+        torch.testing.assert_close(logprobs, out["hf"][name], rtol=0, atol=1e-5, msg=lambda m: f"{name} {packed}: {m}")

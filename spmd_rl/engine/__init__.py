@@ -70,7 +70,7 @@ def _megatron_layouts(actor: ActorConfig, size: int) -> dict[str, Any]:
 
 def _build_fsdp(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelConfig, seed: int, groups: RunGroups,
                 model_folder: str, device: torch.device, pad_token_id: int, total_updates: int,
-                critic: CriticConfig | None = None) -> TrainEngine:
+                critic: CriticConfig | None = None, moe_aux_coef: float = 0.0) -> TrainEngine:
     from spmd_rl.engine.fsdp import FSDPEngine
 
     common = dict(model_folder=model_folder, mesh=groups.actor_mesh, device=device, fsdp=actor.fsdp,
@@ -78,7 +78,7 @@ def _build_fsdp(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelC
                   group=groups.pools.get("global").group, sp_group=groups.sp_group,
                   use_packing=actor.use_packing, max_tokens_per_gpu=actor.max_tokens_per_gpu)
     if role == "actor":
-        return FSDPEngine(actor=actor, total_updates=total_updates, trainable=True,
+        return FSDPEngine(actor=actor, total_updates=total_updates, trainable=True, moe_aux_coef=moe_aux_coef,
                           gradient_checkpointing=model.gradient_checkpointing, **common)
     if role == "critic":
         assert critic is not None, "the critic's engine needs the critic section"
@@ -97,7 +97,7 @@ def critic_optimizer(actor: ActorConfig, critic: CriticConfig) -> ActorConfig:
 
 def _build_megatron(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelConfig, seed: int,
                     groups: RunGroups, model_folder: str, device: torch.device, pad_token_id: int,
-                    total_updates: int, critic: CriticConfig | None = None) -> TrainEngine:
+                    total_updates: int, critic: CriticConfig | None = None, moe_aux_coef: float = 0.0) -> TrainEngine:
     from spmd_rl.engine.megatron import MegatronEngine  # actor and reference share megatron's groups
 
     if role == "critic":  # plan() refuses this first (EngineSpec.critic)

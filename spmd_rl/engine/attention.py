@@ -1,4 +1,5 @@
-"""The FSDP engine's attention forward for Llama / Qwen2 / Qwen3 / Mistral: HF's math, the kernels' layout.
+"""The FSDP engine's attention forward for the families of :data:`spmd_rl.models.families.FAMILIES` (Llama,
+Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text): HF's math, the kernels' layout.
 
     install(model)                               # every self_attn.forward -> natural_layout_forward
 
@@ -10,10 +11,10 @@ applies RoPE there; the engine's attention (:func:`~spmd_rl.engine.ulysses.varle
 elementwise operations, so the same numbers) on the projections' own ``[b, s, heads, d]`` layout and
 hands the attention function transposed *views*; its flash path then flattens them without a copy.
 The module, its parameters and their names are untouched (checkpoints, hot-swap, export, FSDP).
-Other model types keep HF's forward (:func:`install` returns False). Since the engine's attention is
-full causal, the FSDP engine refuses a micro-batch longer than the model's sliding window
-(:func:`spmd_rl.models.check_sliding_window`); the megatron engine does the same, and the fast
-rollout falls back to the HF loop past the window.
+Other model types keep HF's forward (:func:`install` returns False) and still run the engine's
+attention function. Sliding-window layers (Gemma 3's local layers, Mistral, Qwen2 with
+``use_sliding_window``) are windowed by that function (:func:`spmd_rl.engine.ulysses.varlen_sdpa`) at
+any length; the megatron engine refuses sequences longer than the window instead.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ import types
 
 import torch
 
+from ..models.families import FAMILIES
 from . import ulysses
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 def install(model: torch.nn.Module) -> bool:
     """Give every decoder layer's attention :func:`natural_layout_forward`; False (nothing changed) when
-    the model is not a Llama / Qwen2 / Qwen3 / Mistral shape with plain q/k/v/o projections."""
+    the model is not of a supported family with plain q/k/v/o projections."""
     if getattr(model.config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
     layers = getattr(getattr(model, "model", None), "layers", None) or []
@@ -52,11 +54,11 @@ def natural_layout_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
                            position_embeddings: tuple[torch.Tensor, torch.Tensor],
                            attention_mask: torch.Tensor | None, past_key_values=None,
                            **kwargs) -> tuple[torch.Tensor, None]:
-    """HF's Llama / Qwen2 / Qwen3 / Mistral attention forward with RoPE on ``[b, s, heads, d]`` (module docstring)."""
+    """HF's attention forward of the supported families with RoPE on ``[b, s, heads, d]`` (module docstring)."""
     b, s = hidden_states.shape[:2]
     q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
     q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
-    if hasattr(self, "q_norm"):  # Qwen3: an RMSNorm over each head of q and of k, before RoPE, on this layout
+    if hasattr(self, "q_norm"):  # Qwen3, Gemma 3: an RMSNorm over each head of q and of k, before RoPE
         q, k = self.q_norm(q), self.k_norm(k)
     cos, sin = (t.unsqueeze(2) for t in position_embeddings)  # [b, s, 1, d]
     q = q * cos + _rotate_half(q) * sin

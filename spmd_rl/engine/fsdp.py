@@ -40,6 +40,13 @@ the optimizer step (:class:`~spmd_rl.engine.base.NonfiniteGuard`, at most
 phases and back; both are idempotent and no-ops on CPU runs. The same class is the actor, the
 frozen reference (``trainable=False``) and the critic (``value_model=True``: values in place of
 log-probs, :mod:`spmd_rl.engine.value`).
+
+Mixture-of-experts models (a config with ``output_router_logits``: Qwen3-MoE, Qwen2-MoE, Mixtral) train
+their expert MLPs through Hugging Face's forward (its grouped-GEMM experts where transformers picks
+them); in training forwards the model also returns its router load-balancing loss (HF's
+``aux_loss``, over every token of the micro-batch's grid, padding included), reported as
+``moe_aux_loss`` and added to the loss times ``moe_aux_coef`` (``algo.moe_aux_coef``, default 0 = report
+only), averaged over the micro-batches and ranks of the update.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, 
 from spmd_rl.engine.inputs import Staged, stage
 from spmd_rl.engine.nanwatch import NonfiniteWatch
 from spmd_rl.engine.value import ValueHead, load_value_model
-from spmd_rl.models import check_sliding_window, load_causal_lm, sliding_window
+from spmd_rl.models import load_causal_lm
 
 log = logging.getLogger("spmd_rl")
 
@@ -102,6 +109,7 @@ class FSDPEngine:
         logits_chunk_tokens: int | None = None,
         value_model: bool = False,
         seed: int = 0,
+        moe_aux_coef: float = 0.0,
     ) -> None:
         """``group``: every rank running this engine in lockstep (the pool; None = the world);
         dynamic micro-batch counts are agreed over it. ``sp_group``: this rank's Ulysses group
@@ -109,7 +117,8 @@ class FSDPEngine:
         engine follows ``ref.param_offload``). ``logits_chunk_tokens``: positions per chunk of the
         log-prob head (None = 1 GiB of fp32 logits per chunk, see :mod:`spmd_rl.engine.head`).
         ``value_model``: the critic, a one-output token classifier whose values take the place of
-        log-probs everywhere (:mod:`spmd_rl.engine.value`; a new head is initialised from ``seed``)."""
+        log-probs everywhere (:mod:`spmd_rl.engine.value`; a new head is initialised from ``seed``).
+        ``moe_aux_coef``: weight of an MoE model's router load-balancing loss (module docstring)."""
         if trainable and actor is None:
             raise ValueError("a trainable FSDPEngine needs the actor config section")
         self.device = device
@@ -143,7 +152,12 @@ class FSDPEngine:
         model.config.use_cache = False
         # RoPE on the projections' own layout, no transposed copies (engine/attention.py); others keep HF's
         self.natural_attention = attention.install(model)
-        self.sliding_window = sliding_window(model.config)
+        # MoE: the router's load-balancing loss (HF's aux_loss) in training forwards
+        self.router_aux = getattr(model.config, "output_router_logits", None) is not None
+        self.moe_aux_coef = moe_aux_coef
+        if not self.natural_attention:
+            log.info("FSDPEngine: %s keeps Hugging Face's attention forward (model_type %r is not one of %s)",
+                     type(model).__name__, getattr(model.config, "model_type", None), attention.SUPPORTED_MODEL_TYPES)
         # log-probs at the requested positions, chunked over the vocab; or the critic's values there
         self._head = ValueHead.replace(model) if value_model else LogprobHead.replace(model)
         self.logits_chunk_tokens = logits_chunk_tokens or default_chunk_tokens(int(model.config.vocab_size))
@@ -199,15 +213,15 @@ class FSDPEngine:
     def _stage(self, micro: RolloutBatch, rows: list[int] | None = None) -> Staged:
         """The micro-batch's forward inputs on the device (:mod:`spmd_rl.engine.inputs`); callers stage
         all their micro-batches before the first forward, so no host-to-device copy waits for the GPU."""
-        if self.sliding_window is not None:
-            check_sliding_window(max(packing.row_tokens(micro), default=0), self.sliding_window, engine="FSDP")
         return stage(micro, device=self.device, pad_token_id=self.pad_token_id, packed=self.use_packing,
                      flash=self.flash_varlen, sp_size=self.sp_size, sp_rank=self.sp_rank, sp_group=self.sp_group,
                      rows=rows)
 
-    def _forward(self, staged: Staged, temperature: float, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, staged: Staged, temperature: float, entropy: str,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Response log-probs ``[B, T]`` (0 where the response mask is 0); ``entropy`` is "none",
-        "detached" (for metrics) or "grad" (for a bonus).
+        "detached" (for metrics) or "grad" (for a bonus); an MoE model's router load-balancing loss in
+        forwards that record gradients (else None).
 
         Under Ulysses the log-probs of each rank's slice are all-gathered over the sp group (gradient:
         own slice only). The head runs only on positions that predict a valid response token,
@@ -219,6 +233,7 @@ class FSDPEngine:
                                          temperature=temperature if temperature > 0 else 1.0,
                                          chunk_tokens=self.logits_chunk_tokens, fused=self.fused_head,
                                          keep_bytes=self.keep_logits_bytes)
+        aux = {"output_router_logits": True} if self.router_aux and torch.is_grad_enabled() else {}
         try:
             out = self.model(
                 input_ids=staged.input_ids,
@@ -226,6 +241,7 @@ class FSDPEngine:
                 position_ids=staged.position_ids,
                 use_cache=False,
                 spmd_attn=staged.attn,
+                **aux,
             )
         finally:
             self._head.request = None
@@ -238,7 +254,8 @@ class FSDPEngine:
             return full[staged.rows, staged.cols] * mask
 
         logprobs = to_responses(scored[:, 0])
-        return logprobs, (None if entropy == "none" else to_responses(scored[:, 1]))
+        return (logprobs, (None if entropy == "none" else to_responses(scored[:, 1])),
+                getattr(out, "aux_loss", None) if aux else None)
 
     def micro_batches(self, batch: RolloutBatch, *, micro_batch_size: int) -> list[RolloutBatch]:
         """Split ``batch`` into micro-batches: ``micro_batch_size`` rows each, or, with
@@ -267,7 +284,7 @@ class FSDPEngine:
         staged = [self._stage(batch.select(rows), rows) for rows in self._micro_rows(batch, micro_batch_size)]
         with self._one_gather():
             for micro in staged:
-                lp, ent = self._forward(micro, temperature, "detached" if with_entropy else "none")
+                lp, ent, _ = self._forward(micro, temperature, "detached" if with_entropy else "none")
                 logprobs[micro.index] = lp
                 if entropies is not None and ent is not None:
                     entropies[micro.index] = ent
@@ -278,7 +295,8 @@ class FSDPEngine:
     # ------------------------------------------------------------------ update
     def train_mini_batch(self, micro_batches: list[RolloutBatch], loss_fn: LossFn, *, temperature: float,
                          need_entropy_grad: bool) -> dict[str, float]:
-        """One optimizer step over ``micro_batches``; returns grad_norm and lr.
+        """One optimizer step over ``micro_batches``; returns grad_norm and lr (and ``moe_aux_loss``, this
+        rank's mean over its micro-batches, for an MoE model).
 
         ``loss_fn`` returns a loss already divided by the GLOBAL normaliser, so losses of all
         micro-batches on all ranks add up to the mini-batch objective. It gets each micro-batch with
@@ -291,11 +309,13 @@ class FSDPEngine:
         self.optimizer.zero_grad(set_to_none=True)
         bad_losses = torch.zeros((), dtype=torch.long, device=self.device)  # summed without a sync per micro-batch
         staged = [self._stage(micro) for micro in micro_batches]
+        aux_sum = torch.zeros((), device=self.device)
         with self._one_gather():  # ends before the optimizer step: the next forward gathers the new weights
             for i, micro in enumerate(staged):
                 self._gradient_sync(last=i == len(staged) - 1)
-                logprobs, entropy = self._forward(micro, temperature, "grad" if need_entropy_grad else "detached")
+                logprobs, entropy, aux = self._forward(micro, temperature, "grad" if need_entropy_grad else "detached")
                 loss, _ = loss_fn(logprobs, entropy, micro.micro)
+                loss = loss + self._aux_term(aux, len(staged), aux_sum)
                 bad_losses += ~torch.isfinite(loss.detach())
                 loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -306,12 +326,26 @@ class FSDPEngine:
             return (self._nonfinite_cause(int(bad_losses), len(micro_batches)) + "; "
                     + self._replay_nonfinite(micro_batches, loss_fn, temperature, need_entropy_grad))
 
+        stats = {"grad_norm": grad_norm, "lr": lr}
+        if self.router_aux:
+            stats["moe_aux_loss"] = float(aux_sum) / max(len(staged), 1)
         if self.nonfinite.skip(grad_norm, cause):
             self.optimizer.zero_grad(set_to_none=True)
-            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
+            return {**stats, "skipped": 1.0}
         self.optimizer.step()
         self.scheduler.step()
-        return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0}
+        return {**stats, "skipped": 0.0}
+
+    def _aux_term(self, aux: torch.Tensor | None, micro_batches: int, total: torch.Tensor | None = None,
+                  ) -> torch.Tensor | float:
+        """The router loss's share of one micro-batch's loss: ``moe_aux_coef * aux`` over the micro-batches
+        and the ranks whose gradients FSDP sums, so the update gets the mean's gradient; adds ``aux`` to
+        ``total`` (for the metric)."""
+        if aux is None:
+            return 0.0
+        if total is not None:
+            total += aux.detach()
+        return self.moe_aux_coef * aux / (micro_batches * self.mesh.size()) if self.moe_aux_coef else 0.0
 
     def _gradient_sync(self, *, last: bool) -> None:
         """On a one-rank mesh, reduce gradients only after the last micro-batch: FSDP2 then sums the
@@ -374,8 +408,9 @@ class FSDPEngine:
             self._gradient_sync(last=i == len(micro_batches) - 1)
             with NonfiniteWatch(self.model) as watch:
                 staged = self._stage(micro)
-                logprobs, entropy = self._forward(staged, temperature, "grad" if need_entropy_grad else "detached")
+                logprobs, entropy, aux = self._forward(staged, temperature, "grad" if need_entropy_grad else "detached")
                 loss, _ = loss_fn(logprobs, entropy, staged.micro)
+                loss = loss + self._aux_term(aux, len(micro_batches))
                 watch.track(loss)
                 loss.backward()
             if watch.found:

@@ -243,6 +243,10 @@ class LogprobHead(torch.nn.Module):
             raise ValueError(f"{type(model).__name__}'s output head is {type(old).__name__} (bias: "
                              f"{getattr(old, 'bias', None) is not None}); the FSDP engine needs a bias-free "
                              "nn.Linear LM head (Llama / Qwen / Mistral shape)")
+        softcap = getattr(model.config, "final_logit_softcapping", None)
+        if softcap:  # the model's forward would soft-cap the head's (log-prob, entropy) output
+            raise ValueError(f"the model's config sets final_logit_softcapping={softcap}, which the FSDP engine's "
+                             "log-prob head does not implement; set it to null in the model's config.json")
         head = cls(old.weight)
         model.set_output_embeddings(head)
         return head

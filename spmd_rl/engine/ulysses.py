@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from spmd_rl.models.families import layer_windows
+
 ATTENTION_NAME = "spmd_rl_varlen_sdpa"
 """The ``attn_implementation`` name the engine loads models with when it needs sp or packing."""
 
@@ -152,8 +154,9 @@ def flash_varlen_available() -> bool:
 
 
 def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-                  scale: float | None) -> torch.Tensor:
-    """Causal varlen attention, ``[T, H, D]`` x ``[T, Hkv, D]`` -> ``[T, H, D]`` (torch's flash kernel).
+                  scale: float | None, window: int | None = None) -> torch.Tensor:
+    """Causal varlen attention, ``[T, H, D]`` x ``[T, Hkv, D]`` -> ``[T, H, D]`` (torch's flash kernel);
+    ``window``: each query sees its ``window - 1`` predecessors and itself (a sliding-window layer).
 
     The keyword for causality changed between torch releases (``is_causal`` in 2.10,
     ``window_size=(-1, 0)`` later). Grouped-query attention is native in the kernel: through
@@ -163,9 +166,16 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
-    extra: dict[str, object] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if window is not None and "window_size" not in params:
+        raise ValueError(f"a sliding-window layer (window {window}) needs torch's varlen_attn with window_size "
+                         f"(torch >= 2.11); this torch {torch.__version__} has none: upgrade torch")
+    left = -1 if window is None else window - 1
+    extra: dict[str, object] = {"window_size": (left, 0)} if "window_size" in params else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" not in params:  # torch <= 2.11: the same kernel, called without the head check
+            if window is not None:
+                raise ValueError(f"a sliding-window layer (window {window}) with grouped-query attention needs "
+                                 f"torch's varlen_attn with enable_gqa; this torch {torch.__version__} has none")
             return _GroupedFlashVarlen.apply(q, k, v, cu, max_len, scale)
         extra["enable_gqa"] = True
     if scale is not None and "scale" in params:
@@ -210,6 +220,15 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal)[:, None]
 
 
+def layer_window(module: torch.nn.Module) -> int | None:
+    """The sliding window of the attention ``module``'s layer (:func:`spmd_rl.models.families.layer_windows`
+    of its config at its ``layer_idx``), None for a full causal layer."""
+    config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    if config is None or idx is None:
+        return None
+    return layer_windows(config)[idx]
+
+
 def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                 spmd_attn: AttnSpec | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
@@ -223,6 +242,7 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
             "only the FSDP engine's forward provides it"
         )
     group = spmd_attn.sp_group
+    window = layer_window(module)
     if group is not None:
         query, key, value = seq_to_heads(query, group), seq_to_heads(key, group), seq_to_heads(value, group)
     if spmd_attn.cu_seqlens is not None:  # flash varlen over the flattened full rows
@@ -233,7 +253,7 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         flat = _flash_varlen(query.transpose(1, 2).reshape(r * w, h, d),
                              key.transpose(1, 2).reshape(r * w, key.shape[1], d),
                              value.transpose(1, 2).reshape(r * w, value.shape[1], d),
-                             spmd_attn.cu_seqlens, spmd_attn.max_seqlen, scaling)
+                             spmd_attn.cu_seqlens, spmd_attn.max_seqlen, scaling, window=window)
         out = flat.view(r, w, h, d)
         if group is None:
             return out, None
@@ -241,8 +261,11 @@ def varlen_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     rep = query.shape[1] // key.shape[1]
     if rep > 1:  # GQA: query head h reads kv head h // rep (also after the head split, see check_heads)
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=spmd_attn.mask,
-                                         dropout_p=dropout, scale=scaling)
+    mask = spmd_attn.mask
+    if window is not None:  # inside a run, index distance = position distance: keep keys < window back
+        idx = torch.arange(mask.shape[-1], device=mask.device)
+        mask = mask & ((idx[:, None] - idx[None, :]) < window)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     if group is not None:
         out = heads_to_seq(out, group)
     return out.transpose(1, 2).contiguous(), None
@@ -266,4 +289,5 @@ def register_attention() -> None:
 
 
 __all__ = ["ATTENTION_NAME", "AttnSpec", "block_causal_mask", "check_heads", "flash_varlen_available",
-           "gather_sequence", "heads_to_seq", "register_attention", "seq_to_heads", "varlen_runs", "varlen_sdpa"]
+           "gather_sequence", "heads_to_seq", "layer_window", "register_attention", "seq_to_heads", "varlen_runs",
+           "varlen_sdpa"]

@@ -1,4 +1,5 @@
-"""Fast decode for Llama / Qwen2 / Qwen3 / Mistral-shaped models: static KV cache, graph-captured step, compaction.
+"""Fast decode for the families of :data:`spmd_rl.models.families.FAMILIES` (Llama 3.x, Mistral, Qwen2, Qwen3,
+Qwen3-MoE, Gemma 3 text): static KV cache, graph-captured step, compaction.
 
     fast = FastDecoder(hf_model, device=device, max_batch=64, pad_token_id=0)    # see unsupported_reason()
     tokens, mask, logprobs, truncated = fast.generate_chunk(rows, temperature=1.0, top_k=0, top_p=1.0,
@@ -26,7 +27,17 @@ How a chunk of ``b`` left-padded rows runs:
   one q,k,v GEMM / RoPE on q and k together (a table gathered by each row's position) / write slot /
   SDPA over all slots with the row's valid-slot mask (query heads grouped by their KV head, so GQA
   needs no K/V copy) / o_proj / RMSNorm / one gate,up GEMM / down_proj, then norm, ``lm_head``,
-  ``/ T`` and ``logsumexp`` into the logits buffer. On CUDA the whole step, sampling included, is one
+  ``/ T`` and ``logsumexp`` into the logits buffer. Family differences (:mod:`spmd_rl.rollout.layers`):
+  Qwen3 / Gemma 3 normalise each q and k head; Gemma 3 scales norms by ``1 + w``, normalises the
+  attention and MLP outputs too, embeds times ``sqrt(hidden)`` (its embedding module), soft-caps the
+  final logits when configured and reads a RoPE table per layer type (local and global bases);
+  Qwen3-MoE layers route each token to its top-k experts through grouped GEMMs (:func:`moe_mlp`);
+* sliding-window layers (Gemma 3's local layers, Mistral, Qwen2 with ``use_sliding_window``) keep a
+  window-sized ring cache of their own (``ring [windowed layers, 2, rows, kv_heads, min(window, slots),
+  head_dim]``): slot ``s`` lives at ring index ``s % R``, so a step overwrites the entry that just left
+  the window, and the mask keeps the entries whose slot is inside the row and the window. The other
+  layers' cache (``cache``, full length) holds the global layers only; a prefill longer than the window
+  writes its last ``R`` slots to the ring; On CUDA the whole step, sampling included, is one
   CUDA graph per batch bucket and sampling setting; the host only draws the step's uniforms and
   replays it;
 * sampling is by inverse CDF: one uniform ``u`` per row (drawn from the caller's ``torch.Generator``,
@@ -48,8 +59,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..compiled import CompileGroup
-from ..models import sliding_window
-from .layers import ACTIVATIONS, Fused, layer_functions, unsupported_reason
+from ..models.families import FAMILIES, layer_windows
+from .layers import (
+    ACTIVATIONS, Fused, dense_mlp, grouped_mm_works, layer_functions, moe_mlp, norm_eps, rms_norm, rope_types,
+    unsupported_reason,
+)
 from .sampling import filter_logits
 
 # SDPA kernels the path may use: masked attention runs the memory-efficient kernel on CUDA (flash takes
@@ -65,7 +79,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class FastDecoder:
-    """Static-cache, graph-captured decoding over a HF Llama / Qwen2 / Qwen3 / Mistral model (module docstring)."""
+    """Static-cache, graph-captured decoding over a HF model of a supported family (module docstring)."""
 
     _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_slot", "_col", "_row_of", "_finished", "_temp", "_u", "_scaled",
                      "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin")
@@ -89,25 +103,61 @@ class FastDecoder:
         self.head_dim = int(self.layers[0].self_attn.head_dim)
         self.scaling = float(self.layers[0].self_attn.scaling)
         self.vocab = int(model.lm_head.out_features)
-        self.sliding_window = sliding_window(config)
+        self.family = FAMILIES[config.model_type]
+        self.windows = layer_windows(config)  # per layer: sliding window or None
+        # per layer: (in the ring, index in its cache); windowed layers keep a window-sized ring cache
+        counts = [0, 0]
+        self._kv_of = []
+        for w in self.windows:
+            self._kv_of.append((w is not None, counts[w is not None]))
+            counts[w is not None] += 1
+        self.window = max((w for w in self.windows if w), default=None)
+        keys = rope_types(model)  # per layer: its RoPE table (Gemma 3: one per layer type)
+        self.rope_keys = list(dict.fromkeys(keys))
+        self.rope_of = [self.rope_keys.index(k) for k in keys]
+        self.softcap = getattr(config, "final_logit_softcapping", None)
         self.qkv = [Fused((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)) for l in self.layers]
-        self.gate_up = [Fused((l.mlp.gate_proj, l.mlp.up_proj)) for l in self.layers]
-        self.fused: list[Fused] = self.qkv + self.gate_up
-        # the function for the config's hidden_act (the same one every layer's act_fn applies), else that module
-        act = ACTIVATIONS.get(getattr(config, "hidden_act", None)) or self.layers[0].mlp.act_fn
-        self.attn_in, self.attn_out = layer_functions(
-            qk_heads=self.heads + self.kv_heads, q_heads=self.heads, head_dim=self.head_dim, act=act,
-            intermediate=self.layers[0].mlp.up_proj.out_features)
+        self.experts = [getattr(l.mlp, "experts", None) for l in self.layers]  # Qwen3-MoE layers; None: dense
+        self.gate_up = [None if e is not None else Fused((l.mlp.gate_proj, l.mlp.up_proj))
+                        for l, e in zip(self.layers, self.experts)]
+        self.fused: list[Fused] = self.qkv + [f for f in self.gate_up if f is not None]
+        # the function for the config's activation (the same one every layer's act_fn applies), else that module
+        first = next(e if e is not None else l.mlp for l, e in zip(self.layers, self.experts))
+        act = ACTIVATIONS.get(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)) \
+            or first.act_fn
+        mlps = {}
+        dense = [f for f in self.gate_up if f is not None]
+        if dense:
+            mlps["dense"] = dense_mlp(intermediate=dense[0].sizes[0], act=act)
+        moe = next((l.mlp for l, e in zip(self.layers, self.experts) if e is not None), None)
+        # grouped GEMMs where the kernel runs on these experts' dtype and device; else a loop over the hit
+        # experts, whose host sync rules out CUDA graphs
+        self.grouped_experts = moe is not None and grouped_mm_works(moe.experts.gate_up_proj)
+        if moe is not None:
+            mlps["moe"] = moe_mlp(experts=moe.experts.num_experts, top_k=moe.gate.top_k,
+                                  normalise=bool(moe.gate.norm_topk_prob), act=act, grouped=self.grouped_experts)
+        self.kind = ["dense" if e is None else "moe" for e in self.experts]
+        self.attn_in, outs = None, {}
+        for kind, mlp in mlps.items():
+            self.attn_in, outs[kind] = layer_functions(
+                qk_heads=self.heads + self.kv_heads, q_heads=self.heads, head_dim=self.head_dim, mlp=mlp,
+                norm_offset=self.family.norm_offset)
+        self.attn_out = outs
         self.compile_layers = compile_layers
         # the decode step's halves: compiled (dynamic in the rows, so one artifact for every bucket) or not
-        self._step_in, self._step_out = ((_DECODE.wrap(self.attn_in), _DECODE.wrap(self.attn_out)) if compile_layers
-                                         else (self.attn_in, self.attn_out))
+        self._step_in = _DECODE.wrap(self.attn_in) if compile_layers else self.attn_in
+        # torch.compile traces grouped_mm for bf16 only (torch 2.13), and the experts loop syncs with the host:
+        # other MoE layers run their second half eagerly
+        compile_moe = self.grouped_experts and moe.experts.gate_up_proj.dtype == torch.bfloat16
+        self._step_out = {k: _DECODE.wrap(f) if compile_layers and (k != "moe" or compile_moe) else f
+                          for k, f in outs.items()}
         self.buckets = batch_buckets(max_batch)
         self.pad_token_id = int(pad_token_id)
         self.prefill_tokens = prefill_tokens
-        self.use_graphs = self.device.type == "cuda"
+        self.use_graphs = self.device.type == "cuda" and (moe is None or self.grouped_experts)
         self.check_every = 4 if self.use_graphs else 1
-        self.cache: torch.Tensor | None = None
+        self.cache: torch.Tensor | None = None  # the full-length layers' K/V
+        self.ring: torch.Tensor | None = None  # the windowed layers' K/V (window-sized)
         self._shape: tuple[int, int] | None = None  # (rows, slots) of the last cache, for restore()
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, greedy, top_k, top_p) -> the step
         self._pool = None
@@ -115,18 +165,11 @@ class FastDecoder:
 
     # ------------------------------------------------------------------ memory
 
-    def call_unsupported(self, total_length: int) -> str | None:
-        """Why one call of ``prompt + new tokens = total_length`` cannot use this path, or ``None``."""
-        if self.sliding_window is not None and total_length > self.sliding_window:
-            return (f"the sequence length {total_length} exceeds the model's sliding window "
-                    f"({self.sliding_window}), which this path does not implement")
-        return None
-
     def release(self) -> None:
         """Free the KV cache, the step's buffers and the CUDA graphs (their memory pool)."""
         for graph in self._graphs.values():
             graph.reset()
-        self._graphs, self._pool, self.cache, self._eos = {}, None, None, None
+        self._graphs, self._pool, self.cache, self.ring, self._eos = {}, None, None, None, None
         for name in self._STEP_BUFFERS:
             setattr(self, name, None)
 
@@ -136,18 +179,21 @@ class FastDecoder:
             self._allocate(*self._shape)
 
     def _ensure_cache(self, rows: int, slots: int) -> None:
-        if self.cache is not None and self.cache.shape[2] >= rows and self.cache.shape[4] >= slots:
+        if self.cache is not None and self._shape[0] >= rows and self._shape[1] >= slots:
             return
         if self.cache is not None:
-            rows, slots = max(rows, self.cache.shape[2]), max(slots, self.cache.shape[4])
+            rows, slots = max(rows, self._shape[0]), max(slots, self._shape[1])
         self.release()
         self._allocate(rows, -(-slots // 64) * 64)
 
     def _allocate(self, rows: int, slots: int) -> None:
         """The cache and every buffer a captured step reads or writes (fixed addresses for the graphs)."""
         dtype, dev = self.inner.embed_tokens.weight.dtype, self.device
-        self.cache = torch.zeros(len(self.layers), 2, rows, self.kv_heads, slots, self.head_dim, dtype=dtype,
-                                 device=dev)
+        windowed = sum(w is not None for w in self.windows)
+        self.cache = torch.zeros(len(self.layers) - windowed, 2, rows, self.kv_heads, slots, self.head_dim,
+                                 dtype=dtype, device=dev)
+        self.ring = torch.zeros(windowed, 2, rows, self.kv_heads, min(self.window or 0, slots), self.head_dim,
+                                dtype=dtype, device=dev)
         self._shape = (rows, slots)
         long = dict(dtype=torch.long, device=dev)
         self._tok = torch.zeros(rows, **long)       # the token each row feeds the next forward
@@ -165,37 +211,69 @@ class FastDecoder:
         self._out_lp = torch.zeros(rows + 1, slots, dtype=torch.float32, device=dev)
         self._out_mask = torch.zeros_like(self._out_lp)
         self._slots = torch.arange(slots, device=dev)
-        self._cos = torch.zeros(slots, self.head_dim, dtype=dtype, device=dev)  # RoPE table by position
+        # RoPE tables by position, one per rope key (see rope_types)
+        self._cos = torch.zeros(len(self.rope_keys), slots, self.head_dim, dtype=dtype, device=dev)
         self._sin = torch.zeros_like(self._cos)  # sin with the first half negated (see rope())
         self._eos = None
 
     # ------------------------------------------------------------------ forward pieces
 
-    @staticmethod
-    def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm with float32 statistics in one fused kernel (``x * rsqrt(mean x^2 + eps) * w``, rounded once)."""
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps=norm.variance_epsilon)
+    def _rms(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm with float32 statistics in one fused kernel (rounded once)."""
+        return rms_norm(x, norm.weight, norm_eps(norm), self.family.norm_offset)
 
     def _in(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn: Callable) -> tuple:
         norm, attn = self.layers[i].input_layernorm, self.layers[i].self_attn
-        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3, Gemma 3
         if qn is None:
-            return fn(x, norm.weight, norm.variance_epsilon, self.qkv[i].weight, self.qkv[i].bias, cos, sin)
-        return fn(x, norm.weight, norm.variance_epsilon, self.qkv[i].weight, self.qkv[i].bias, cos, sin,
-                  qn.weight, kn.weight, qn.variance_epsilon)
+            return fn(x, norm.weight, norm_eps(norm), self.qkv[i].weight, self.qkv[i].bias, cos, sin)
+        return fn(x, norm.weight, norm_eps(norm), self.qkv[i].weight, self.qkv[i].bias, cos, sin,
+                  qn.weight, kn.weight, norm_eps(qn))
 
-    def _out(self, i: int, x: torch.Tensor, o: torch.Tensor, fn: Callable) -> torch.Tensor:
-        layer = self.layers[i]
-        o_proj, norm, down = layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp.down_proj
-        return fn(x, o, o_proj.weight, o_proj.bias, norm.weight, norm.variance_epsilon, self.gate_up[i].weight,
-                  self.gate_up[i].bias, down.weight, down.bias)
+    def _out(self, i: int, x: torch.Tensor, o: torch.Tensor, fns: dict[str, Callable]) -> torch.Tensor:
+        layer, kind = self.layers[i], self.kind[i]
+        o_proj = layer.self_attn.o_proj
+        if self.family.sandwich_norms:  # Gemma: post_attention_layernorm normalises the attention output
+            norms = (layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
+                     layer.post_feedforward_layernorm.weight)
+        else:  # Llama-like: post_attention_layernorm is the MLP's input norm
+            norms = (None, layer.post_attention_layernorm.weight, None)
+        if kind == "moe":
+            weights = (layer.mlp.gate.weight, layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj)
+        else:
+            down = layer.mlp.down_proj
+            weights = (self.gate_up[i].weight, self.gate_up[i].bias, down.weight, down.bias)
+        return fns[kind](x, o, o_proj.weight, o_proj.bias, norm_eps(layer.post_attention_layernorm), *norms, weights)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm, ``lm_head`` and the final soft-cap (Gemma, when configured) of ``x [rows, h]``."""
+        logits = self.model.lm_head(self._rms(self.inner.norm, x))
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def _head(self, x: torch.Tensor, rows: int) -> None:
-        """Final norm and ``lm_head`` of ``x [rows, h]`` -> ``logits / T`` (float32) and its logsumexp, into
-        the buffers the next sample reads."""
+        """:meth:`_logits` of ``x [rows, h]`` -> ``logits / T`` (float32) and its logsumexp, into the
+        buffers the next sample reads."""
         scaled = self._scaled[:rows]
-        scaled.copy_(self.model.lm_head(self._rms(self.inner.norm, x))).div_(self._temp)
+        scaled.copy_(self._logits(x)).div_(self._temp)
         torch.logsumexp(scaled, dim=-1, out=self._lse[:rows])
+
+    def _kv(self, i: int) -> torch.Tensor:
+        """Layer ``i``'s K/V, ``[2, rows, kv_heads, slots or ring size, head_dim]``."""
+        in_ring, j = self._kv_of[i]
+        return self.ring[j] if in_ring else self.cache[j]
+
+    @staticmethod
+    def _biases(allowed: torch.Tensor, windows: dict[int | None, torch.Tensor], dtype: torch.dtype,
+                ) -> dict[int | None, torch.Tensor]:
+        """Additive masks per window: ``allowed`` and, for a window ``w``, ``windows[w]`` (the keys fewer
+        than ``w`` positions back); None = full causal."""
+        out = {}
+        for w, near in windows.items():
+            ok = allowed if w is None else allowed & near
+            out[w] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
+        return out
 
     def _prefill(self, ids: torch.Tensor, pad: torch.Tensor, row0: int) -> None:
         """Prompts ``ids [b, P]`` (left-padded by ``pad [b]``) into cache rows ``row0..row0+b``, slots
@@ -205,21 +283,30 @@ class FastDecoder:
         pos = (ar[None, :] - pad[:, None]).clamp(min=0)
         allowed = (ar[:, None] >= ar[None, :])[None] & (ar[None, :] >= pad[:, None])[:, None, :]
         allowed = (allowed | torch.eye(length, dtype=torch.bool, device=ids.device))[:, None]  # [b, 1, P, P]
+        distance = ar[:, None] - ar[None, :]  # query slot - key slot = position difference inside a row
         x = self.inner.embed_tokens(ids)
-        bias = torch.zeros(allowed.shape, dtype=x.dtype, device=x.device).masked_fill_(~allowed, float("-inf"))
-        cos, sin = self._cos[pos][:, :, None], self._sin[pos][:, :, None]  # [b, P, 1, D]
+        bias = self._biases(allowed, {w: distance < w if w else None for w in set(self.windows)}, x.dtype)
+        tables = [(self._cos[t][pos][:, :, None], self._sin[t][pos][:, :, None]) for t in range(len(self.rope_keys))]
+        ring = self.ring.shape[4]
+        last = ar[max(0, length - ring):]  # the prompt's slots a ring keeps, at ring index slot % size
         for i in range(len(self.layers)):
+            cos, sin = tables[self.rope_of[i]]  # [b, P, 1, D]
             qk, v = self._in(i, x, cos, sin, self.attn_in)
             qk, v = qk.transpose(1, 2), v.transpose(1, 2)  # [b, H + Hkv, P, D], [b, Hkv, P, D]
             q, k = qk[:, :self.heads], qk[:, self.heads:]
-            self.cache[i, 0, row0:row0 + b, :, :length] = k
-            self.cache[i, 1, row0:row0 + b, :, :length] = v
+            kv = self._kv(i)
+            if self._kv_of[i][0]:
+                kv[0, row0:row0 + b, :, last % ring] = k[:, :, last]
+                kv[1, row0:row0 + b, :, last % ring] = v[:, :, last]
+            else:
+                kv[0, row0:row0 + b, :, :length] = k
+                kv[1, row0:row0 + b, :, :length] = v
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scaling)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[self.windows[i]], scale=self.scaling)
             x = self._out(i, x, o.transpose(1, 2).reshape(b, length, self.heads * self.head_dim), self.attn_out)
         scaled = self._scaled[row0:row0 + b]
-        scaled.copy_(self.model.lm_head(self._rms(self.inner.norm, x[:, -1]))).div_(self._temp)
+        scaled.copy_(self._logits(x[:, -1])).div_(self._temp)
         torch.logsumexp(scaled, dim=-1, out=self._lse[row0:row0 + b])
 
     def _forward(self, rows: int) -> None:
@@ -227,17 +314,28 @@ class FastDecoder:
         pos = self._pos[:rows]
         valid = (self._slots[None, :] >= self._pad[:rows, None]) & (self._slots[None, :] <= self._slot)
         x = self.inner.embed_tokens(self._tok[:rows])
-        # Additive mask [rows, 1, 1, slots], built once per step, broadcast over KV heads and query groups.
-        bias = torch.zeros(valid.shape, dtype=x.dtype, device=x.device).masked_fill_(~valid, float("-inf"))
-        bias = bias[:, None, None, :]
-        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [rows, 1, D]
+        # Additive masks [rows, 1, 1, slots or ring size], built once per step, broadcast over KV heads and
+        # query groups. Ring entry j holds the latest slot s <= this step's with s % R == j; it counts when
+        # that slot is one of the row's (not left padding) and fewer than the layer's window back.
+        bias = {None: self._biases(valid, {None: None}, x.dtype)[None][:, None, None, :]}
+        if self.window is not None:
+            ring = self.ring.shape[4]
+            held = self._slot - (self._slot - self._slots[:ring]) % ring  # [R] the slot at each ring index
+            live = (held[None, :] >= self._pad[:rows, None]) & (held >= 0)[None]
+            near = {w: (held > self._slot - w)[None] for w in set(self.windows) if w}
+            bias.update({w: m[:, None, None, :] for w, m in self._biases(live, near, x.dtype).items()})
+            ring_slot = self._slot % ring
+        tables = [(self._cos[t][pos][:, None], self._sin[t][pos][:, None]) for t in range(len(self.rope_keys))]
         for i in range(len(self.layers)):
+            cos, sin = tables[self.rope_of[i]]  # [rows, 1, D]
             qk, v = self._in(i, x, cos, sin, self._step_in)
-            k_cache, v_cache = self.cache[i, 0, :rows], self.cache[i, 1, :rows]
-            k_cache.index_copy_(2, self._slot, qk[:, self.heads:, None])
-            v_cache.index_copy_(2, self._slot, v[:, :, None])
+            kv = self._kv(i)
+            k_cache, v_cache = kv[0, :rows], kv[1, :rows]
+            at = ring_slot if self._kv_of[i][0] else self._slot
+            k_cache.index_copy_(2, at, qk[:, self.heads:, None])
+            v_cache.index_copy_(2, at, v[:, :, None])
             q = qk[:, :self.heads].unflatten(1, (self.kv_heads, self.group))  # query heads of one KV head together
-            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias, scale=self.scaling)
+            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias[self.windows[i]], scale=self.scaling)
             x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
         self._head(x, rows)
         self._pos[:rows] += 1
@@ -338,10 +436,12 @@ class FastDecoder:
         cur = self.bucket(b)
         self._ensure_cache(cur, longest + max_new_tokens)
         self._set_eos(eos)
-        cos, sin = self.inner.rotary_emb(self._cos[None], self._slots[None])  # same table as HF's forward
         half = self.head_dim // 2
-        self._cos.copy_(cos[0])
-        self._sin.copy_(torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1))  # rotate_half's sign folded in
+        for t, key in enumerate(self.rope_keys):  # the same tables as HF's forward
+            extra = () if key is None else (key,)
+            cos, sin = self.inner.rotary_emb(self._cos[t][None], self._slots[None], *extra)
+            self._cos[t].copy_(cos[0])
+            self._sin[t].copy_(torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1))  # rotate_half's sign
 
         ids = torch.full((b, longest), self.pad_token_id, dtype=torch.long)
         for i, r in enumerate(rows):
@@ -403,8 +503,9 @@ class FastDecoder:
         bucket. Rows past the live ones become spares: finished, writing to the spare output row."""
         keep = torch.nonzero(~self._finished[:cur]).squeeze(-1)
         n, new = keep.numel(), self.bucket(keep.numel())
-        for i in range(len(self.layers)):  # one layer at a time: the gather copy stays small
-            self.cache[i, :, :n] = self.cache[i][:, keep]
+        for cache in (self.cache, self.ring):
+            for i in range(cache.shape[0]):  # one layer at a time: the gather copy stays small
+                cache[i, :, :n] = cache[i][:, keep]
         for buf in (self._tok, self._pos, self._pad, self._row_of, self._scaled, self._lse):
             buf[:n] = buf[keep]
         self._row_of[n:new] = spare

@@ -1,11 +1,14 @@
 """The pieces of the fast decoder (:mod:`spmd_rl.rollout.fast`) that are about the model, not the loop.
 
-* :func:`unsupported_reason`: whether a Hugging Face causal LM has the Llama / Qwen2 / Qwen3 / Mistral
-  shape the fast path computes (and why not);
+* :func:`unsupported_reason`: whether a Hugging Face causal LM is of a family the fast path computes
+  (:data:`spmd_rl.models.families.FAMILIES`: Llama 3.x, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text),
+  and why not;
 * :class:`Fused`: ``nn.Linear`` modules of one input as one GEMM, the modules' parameters becoming
   views of the fused tensor (hot-swap by HF name keeps working);
 * :func:`layer_functions`: a decoder layer's two halves around attention as pure functions of
-  tensors, which the decoder runs eagerly (prefill, CPU) or compiled (the CUDA decode step).
+  tensors, which the decoder runs eagerly (prefill, CPU) or compiled (the CUDA decode step);
+* :func:`moe_mlp`: routed experts (Qwen3-MoE) as grouped GEMMs over the tokens sorted by expert
+  (``F.grouped_mm``), or, where that kernel cannot run, a loop over the experts that got tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+from ..models.families import FAMILIES
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # RoPE types whose cos/sin depend on the position only (dynamic / longrope rescale with the length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # hidden_act -> a plain function equal to what HF's ACT2FN gives for that name (others use the layer's act_fn)
@@ -23,11 +28,59 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
                "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
 
+def norm_eps(norm: torch.nn.Module) -> float | None:
+    """An RMSNorm module's epsilon (``variance_epsilon`` in Llama-like models, ``eps`` in Gemma), or None."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) and hasattr(norm, "weight") else None
+
+
+def rope_types(model: torch.nn.Module) -> list[str | None]:
+    """The RoPE table each layer reads: its ``layer_type`` where the rotary module keeps one table per layer
+    type (Gemma 3: local and global bases), else None (one table)."""
+    inner = model.model
+    per_type = isinstance(getattr(inner.rotary_emb, "rope_type", None), dict)
+    types = getattr(model.config, "layer_types", None)
+    return [types[i] if per_type else None for i in range(len(inner.layers))]
+
+
+def _rope_reason(rotary: torch.nn.Module) -> str | None:
+    rope_type = getattr(rotary, "rope_type", None)
+    for name in (rope_type.values() if isinstance(rope_type, dict) else [rope_type]):
+        if name not in STATIC_ROPE_TYPES:
+            return f"RoPE type {name!r} is not one of {STATIC_ROPE_TYPES}"
+    return None
+
+
+def _mlp_reason(i: int, mlp: torch.nn.Module, moe: bool) -> str | None:
+    experts, gate = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+    if moe and experts is not None:
+        for name in ("gate_up_proj", "down_proj", "num_experts", "act_fn"):
+            if not hasattr(experts, name):
+                return f"layer {i} experts have no {name}"
+        if getattr(experts, "gate_up_proj_bias", None) is not None or getattr(experts, "is_transposed", False):
+            return f"layer {i} experts have biases or a transposed layout"
+        for name in ("weight", "top_k", "norm_topk_prob"):
+            if not hasattr(gate, name):
+                return f"layer {i} router has no {name} (not a Qwen3-MoE softmax top-k router)"
+        return None
+    for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
+        if not hasattr(mlp, name):
+            return f"layer {i} MLP has no {name} (not a gated Llama / Qwen / Mistral / Gemma MLP)"
+    if mlp.gate_proj.out_features != mlp.up_proj.out_features:
+        return f"layer {i} MLP has gate and up projections of different widths"
+    if not all(isinstance(m, torch.nn.Linear) for m in (mlp.gate_proj, mlp.up_proj)):
+        return f"layer {i} has projections that are not nn.Linear"
+    if (mlp.gate_proj.bias is None) != (mlp.up_proj.bias is None):
+        return f"layer {i} has projections of one input with and without bias"
+    return None
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why the fast path cannot run ``model`` (a HF causal LM), or ``None`` when it can."""
     config = model.config
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    family = FAMILIES.get(model_type)
+    if family is None:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
     inner = getattr(model, "model", None)
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
@@ -35,35 +88,40 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             return f"the model has no model.{name}"
     if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         return "the model has no lm_head Linear"
-    rope_type = getattr(inner.rotary_emb, "rope_type", None)
-    if rope_type not in STATIC_ROPE_TYPES:
-        return f"RoPE type {rope_type!r} is not one of {STATIC_ROPE_TYPES}"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "the model's attention is bidirectional (use_bidirectional_attention)"
+    reason = _rope_reason(inner.rotary_emb)
+    if reason is not None:
+        return reason
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if family.sandwich_norms else []
+    widths = set()
     for i, layer in enumerate(inner.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"):
             if not hasattr(attn, name):
                 return f"layer {i} attention has no {name}"
-        norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
-        if any(n is not None for n in norms) and not all(  # Qwen3: an RMSNorm over each head of q and of k
-                hasattr(n, "variance_epsilon") and tuple(n.weight.shape) == (attn.head_dim,) for n in norms):
+        qk = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+        if any(n is not None for n in qk) and not all(  # Qwen3, Gemma 3: an RMSNorm over each head of q and of k
+                norm_eps(n) is not None and tuple(n.weight.shape) == (attn.head_dim,) for n in qk):
             return f"layer {i} attention's q_norm / k_norm are not both RMSNorms over head_dim"
-        for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
-            if not hasattr(mlp, name):
-                return f"layer {i} MLP has no {name} (not a gated Llama / Qwen2 / Qwen3 / Mistral MLP)"
-        if mlp.gate_proj.out_features != mlp.up_proj.out_features:
-            return f"layer {i} MLP has gate and up projections of different widths"
-        if mlp.up_proj.out_features != inner.layers[0].mlp.up_proj.out_features:
-            return f"layer {i} MLP is {mlp.up_proj.out_features} wide, layer 0's {inner.layers[0].mlp.up_proj.out_features}"
-        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
-            if not all(isinstance(m, torch.nn.Linear) for m in group):
-                return f"layer {i} has projections that are not nn.Linear"
-            if len({m.bias is None for m in group}) > 1:
-                return f"layer {i} has projections of one input with and without bias"
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            if not hasattr(getattr(layer, name, None), "variance_epsilon"):
-                return f"layer {i} {name} is not an RMSNorm with variance_epsilon"
-    if not hasattr(inner.norm, "variance_epsilon"):
-        return "model.norm is not an RMSNorm with variance_epsilon"
+        group = (attn.q_proj, attn.k_proj, attn.v_proj)
+        if not all(isinstance(m, torch.nn.Linear) for m in group):
+            return f"layer {i} has projections that are not nn.Linear"
+        if len({m.bias is None for m in group}) > 1:
+            return f"layer {i} has projections of one input with and without bias"
+        reason = _mlp_reason(i, mlp, family.moe)
+        if reason is not None:
+            return reason
+        if hasattr(mlp, "up_proj"):
+            widths.add(mlp.up_proj.out_features)
+        for name in norms:
+            if norm_eps(getattr(layer, name, None)) is None:
+                return f"layer {i} {name} is not an RMSNorm"
+    if len(widths) > 1:
+        return f"the dense MLPs have different widths {sorted(widths)}"
+    if norm_eps(inner.norm) is None:
+        return "model.norm is not an RMSNorm"
     return None
 
 
@@ -73,33 +131,109 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-def layer_functions(*, qk_heads: int, head_dim: int, intermediate: int, act: Callable[[torch.Tensor], torch.Tensor],
-                    q_heads: int | None = None) -> tuple[Callable, Callable]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm over the last dim: Llama's ``x * rsqrt(mean x^2 + eps) * w`` in one fused kernel; with
+    ``offset`` (Gemma) statistics and scale ``offset + w`` in float32, rounded once, as HF's Gemma norm."""
+    if not offset:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float() + offset, eps=eps).to(x.dtype)
+
+
+def layer_functions(*, qk_heads: int, head_dim: int, q_heads: int, mlp: Callable, norm_offset: float = 0.0,
+                    ) -> tuple[Callable, Callable]:
     """The two halves of a decoder layer around attention, for one model's constants, as pure functions
     (compiled as they are, or run eagerly):
 
     * ``attn_in(x, norm, eps, w, b, cos, signed_sin, q_norm, k_norm, qk_eps) -> (qk, v)``: RMSNorm, the fused
-      q/k/v GEMM, Qwen3's per-head RMSNorm of q and k (``q_norm`` / ``k_norm`` weights, None elsewhere) and
-      RoPE on q and k together: ``x [..., h]`` -> ``qk [..., H + Hkv, D]`` (rotated) and ``v [..., Hkv, D]``;
-    * ``attn_out(x, o, o_w, o_b, norm, eps, gate_up_w, gate_up_b, down_w, down_b) -> x``: o_proj and the
-      residual, RMSNorm, the fused gate/up GEMM, the activation times up, down_proj and the residual.
+      q/k/v GEMM, the per-head RMSNorm of q and k (Qwen3, Gemma 3: ``q_norm`` / ``k_norm`` weights, None
+      elsewhere) and RoPE on q and k together: ``x [..., h]`` -> ``qk [..., H + Hkv, D]`` (rotated) and
+      ``v [..., Hkv, D]``;
+    * ``attn_out(x, o, o_w, o_b, eps, post_attn, pre_mlp, post_mlp, weights) -> x``: o_proj, the attention
+      output's norm (``post_attn``, Gemma; None elsewhere), the residual, the MLP's input norm, ``mlp(h,
+      *weights)`` (:func:`dense_mlp` or :func:`moe_mlp`), its output norm (``post_mlp``, Gemma) and the residual.
+
+    ``norm_offset``: every RMSNorm scales by ``offset + w`` (Gemma: 1).
     """
-    split, activation = qk_heads * head_dim, act
+    split, off = qk_heads * head_dim, norm_offset
 
     def attn_in(x, norm, eps, w, b, cos, signed_sin, q_norm=None, k_norm=None, qk_eps=0.0):
-        qkv = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps=eps), w, b)
+        qkv = F.linear(rms_norm(x, norm, eps, off), w, b)
         qk = qkv[..., :split].unflatten(-1, (qk_heads, head_dim))
-        if q_norm is not None:  # Qwen3: each head of q and of k normalised before RoPE
-            qk = torch.cat([F.rms_norm(qk[..., :q_heads, :], (head_dim,), q_norm, eps=qk_eps),
-                            F.rms_norm(qk[..., q_heads:, :], (head_dim,), k_norm, eps=qk_eps)], dim=-2)
+        if q_norm is not None:  # Qwen3, Gemma 3: each head of q and of k normalised before RoPE
+            qk = torch.cat([rms_norm(qk[..., :q_heads, :], q_norm, qk_eps, off),
+                            rms_norm(qk[..., q_heads:, :], k_norm, qk_eps, off)], dim=-2)
         return rope(qk, cos, signed_sin), qkv[..., split:].unflatten(-1, (-1, head_dim))
 
-    def attn_out(x, o, o_w, o_b, norm, eps, gate_up_w, gate_up_b, down_w, down_b):
-        x = x + F.linear(o, o_w, o_b)
-        gate, up = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps=eps), gate_up_w, gate_up_b).split(intermediate, -1)
-        return x + F.linear(activation(gate) * up, down_w, down_b)
+    def attn_out(x, o, o_w, o_b, eps, post_attn, pre_mlp, post_mlp, weights):
+        o = F.linear(o, o_w, o_b)
+        x = x + (o if post_attn is None else rms_norm(o, post_attn, eps, off))
+        y = mlp(rms_norm(x, pre_mlp, eps, off), *weights)
+        return x + (y if post_mlp is None else rms_norm(y, post_mlp, eps, off))
 
     return attn_in, attn_out
+
+
+def dense_mlp(*, intermediate: int, act: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """``mlp(h, gate_up_w, gate_up_b, down_w, down_b)``: the fused gate/up GEMM, ``act(gate) * up``, down_proj."""
+    def mlp(h, gate_up_w, gate_up_b, down_w, down_b):
+        gate, up = F.linear(h, gate_up_w, gate_up_b).split(intermediate, -1)
+        return F.linear(act(gate) * up, down_w, down_b)
+
+    return mlp
+
+
+def grouped_mm_works(weight: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` (``torch._grouped_mm`` on older torch) runs on experts stacked like
+    ``weight [E, out, in]`` (its dtype, device, strides): a probe, since kernels differ by device and release."""
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        return False
+    try:
+        x = torch.zeros(2, weight.shape[-1], dtype=weight.dtype, device=weight.device)
+        offs = torch.tensor([1] * (weight.shape[0] - 1) + [2], dtype=torch.int32, device=weight.device)
+        fn(x, weight.transpose(-2, -1), offs=offs)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def moe_mlp(*, experts: int, top_k: int, normalise: bool, act: Callable[[torch.Tensor], torch.Tensor],
+            grouped: bool) -> Callable:
+    """``mlp(h, router_w, gate_up [E, 2I, h], down [E, h, I])``: Qwen3-MoE's sparse block on ``h [..., h]``.
+
+    Router: ``softmax(h @ router_w.T)`` in float32, the top-k experts, their weights renormalised to sum
+    1 when ``normalise``. Experts: the ``tokens x k`` (token, expert) pairs sorted by expert, so each
+    expert's tokens are one contiguous run; ``grouped``: two grouped GEMMs over the runs (``offs`` = each
+    run's end), no host sync (graph-capturable); else a loop over the experts that got tokens (one host
+    sync for the run ends). Each pair's output times its weight is added into its token's row."""
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+    def mlp(h, router_w, gate_up, down):
+        flat = h.reshape(-1, h.shape[-1])
+        logits = F.linear(flat, router_w)
+        top_w, top_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+        if normalise:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w.to(flat.dtype)
+        ids, order = torch.sort(top_i.reshape(-1), stable=True)
+        token = order // top_k
+        xs = flat[token]
+        ends = torch.searchsorted(ids, torch.arange(experts, device=ids.device), right=True)
+        if grouped:
+            offs = ends.to(torch.int32)
+            gate, up = fn(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+            ys = fn(act(gate) * up, down.transpose(-2, -1), offs=offs)
+        else:
+            ys = torch.empty_like(xs)
+            bounds = [0] + ends.tolist()
+            for e in torch.nonzero(ends.diff(prepend=ends.new_zeros(1))).flatten().tolist():
+                run = slice(bounds[e], bounds[e + 1])
+                gate, up = F.linear(xs[run], gate_up[e]).chunk(2, dim=-1)
+                ys[run] = F.linear(act(gate) * up, down[e])
+        ys = ys * top_w.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add_(0, token, ys).view_as(h)
+
+    return mlp
 
 
 class Fused:
@@ -138,4 +272,5 @@ class Fused:
             start += n
 
 
-__all__ = ["ACTIVATIONS", "STATIC_ROPE_TYPES", "SUPPORTED_MODEL_TYPES", "Fused", "layer_functions", "rope", "unsupported_reason"]
+__all__ = ["ACTIVATIONS", "STATIC_ROPE_TYPES", "SUPPORTED_MODEL_TYPES", "Fused", "dense_mlp", "grouped_mm_works",
+           "layer_functions", "moe_mlp", "norm_eps", "rms_norm", "rope", "rope_types", "unsupported_reason"]

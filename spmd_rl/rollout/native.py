@@ -18,12 +18,13 @@ has stopped.
 
 Two decode loops, the same outputs (greedy: token for token; tests/test_rollout_fast.py):
 
-* the fast path (:mod:`spmd_rl.rollout.fast`, on by default for Llama / Qwen2 / Qwen3 / Mistral shapes, CPU
+* the fast path (:mod:`spmd_rl.rollout.fast`, on by default for the families of
+  :data:`spmd_rl.models.families.FAMILIES`: Llama 3.x, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text; CPU
   and GPU): static KV cache, the decode step as a CUDA graph per batch bucket (its layers compiled
   on CUDA), finished rows compacted into smaller buckets. ``sleep`` frees its cache and graphs,
   ``wake_up`` reallocates;
-* the Hugging Face loop (``fast_decode=False``, other model types, or a call longer than the model's
-  sliding window; a warning says why): ``DynamicCache`` and :meth:`NativeRollout._decode_step`.
+* the Hugging Face loop (``fast_decode=False``, or another model type; one warning names what made
+  the model fall back): ``DynamicCache`` and :meth:`NativeRollout._decode_step`.
 
 Log-probs (must match the trainer's recomputation): ``log_softmax(logits / T)`` at the chosen token,
 ``T = temperature`` or 1.0 when greedy (temperature 0), over the FULL vocabulary, i.e. BEFORE top-k /
@@ -104,7 +105,6 @@ class NativeRollout:
         self._sleep_level = 0
         # The fast path (spmd_rl/rollout/fast.py) reads the same parameters, so hot-swap reaches it too.
         self._fast: FastDecoder | None = None
-        self._fast_skip_logged = False
         if fast_decode:
             reason = unsupported_reason(self.model)
             if reason is None:
@@ -174,14 +174,8 @@ class NativeRollout:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Generate for one chunk; returns ``tokens, mask, logprobs [b, t]`` and ``truncated [b]`` (on device)."""
         if self._fast is not None:
-            reason = self._fast.call_unsupported(max(len(r) for r in rows) + max_new_tokens)
-            if reason is None:
-                return self._fast.generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
-                                                 max_new_tokens=max_new_tokens, generator=generator, eos=self._eos)
-            if not self._fast_skip_logged:
-                log.warning("NativeRollout: fast decode skipped for this call (%s); using the Hugging Face "
-                            "decode loop", reason)
-                self._fast_skip_logged = True
+            return self._fast.generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
+                                             max_new_tokens=max_new_tokens, generator=generator, eos=self._eos)
         return self._generate_chunk_hf(rows, temperature=temperature, top_k=top_k, top_p=top_p,
                                        max_new_tokens=max_new_tokens, generator=generator)
 
