@@ -28,7 +28,7 @@ from spmd_rl.checkpoint_files import (
     latest_checkpoint, list_checkpoints, resolve_checkpoint, rng_state, set_rng_state, truncate_metrics,
 )
 from spmd_rl.config import CheckpointConfig
-from spmd_rl.distributed.testing import free_port, run_distributed
+from spmd_rl.distributed.testing import free_port, run_distributed, run_program
 from spmd_rl.export import export_hf, load_model_state, parse_size
 from spmd_rl.models import resolve_model_path
 from test_train_e2e import TINY
@@ -39,6 +39,12 @@ UNTIMED = ("timing_s/", "perf/", "elapsed_s")
 
 def launch(out_dir: Path, *flags: str, nproc: int = 2, restarts: int = 0, env: dict | None = None,
            timeout: int = 300) -> subprocess.CompletedProcess:
+    if not restarts:  # the program, not torchrun's restarts: its ranks forked from a warm process
+        proc = run_program("spmd_rl.train", [*TINY, "--trainer.output-dir", str(out_dir), *flags], nproc=nproc,
+                           env=dict(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **(env or {})),
+                           cwd=REPO, timeout=timeout)
+        assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
+        return proc
     environ = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **(env or {}))
     # Plain torchrun flags: DistEnv gives every restart attempt its own namespace in the agent's
     # store, so `--max-restarts` needs no extra setting (docs/CHECKPOINTS.md, crash recovery).

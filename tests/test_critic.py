@@ -1,6 +1,6 @@
 """PPO with a critic (``algo.adv_estimator=gae``, spmd_rl/critic.py): token rewards, the value model's
 positions, parity of the critic's stages between FSDP on 2 ranks and one process, an end-to-end run
-under torchrun (one process) that learns (reward and explained variance rise) and resumes exactly
+(one process) that learns (reward and explained variance rise) and resumes exactly
 from its checkpoint, and the plan() rules.
 
 Parity: one spawned 3-process world holds a 1-rank pool (rank 0) and a 2-rank pool (ranks 1-2);
@@ -189,7 +189,7 @@ def test_critic_on_two_ranks_equals_one_process(parity) -> None:
     assert not any(n.startswith("lm_head") for n in one["weights"]) and "score.weight" in one["weights"]
 
 
-# --------------------------------------------------------------------------- end to end under torchrun
+# --------------------------------------------------------------------------- end to end
 
 PPO = ["--algo.adv-estimator", "gae", "--algo.no-use-kl-loss", "--critic.lr", "1e-2", "--critic.ppo-epochs", "4",
        "--critic.micro-batch-size", "64", "--actor.micro-batch-size", "64", "--trainer.total-steps", "16",

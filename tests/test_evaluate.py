@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from conftest import HERE, REPO
 from spmd_rl.config import load_config
-from spmd_rl.distributed.testing import free_port
+from spmd_rl.distributed.testing import run_program
 from spmd_rl.evaluate import EvalFlags, held_out_prompts
 from spmd_rl.export import export_hf
-from test_train_e2e import TINY, _check, torchrun
+from test_train_e2e import TINY, _check, launch
 
 GSM8K_TEST = os.path.join(HERE, "data", "gsm8k", "test.jsonl")  # a sample: tests/data/gsm8k/README.md
 EVAL = [*TINY[:2],  # the trained run's model
@@ -22,11 +21,8 @@ EVAL = [*TINY[:2],  # the trained run's model
 
 
 def evaluate(*flags: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port())] if nproc > 1 else [sys.executable])
-    return subprocess.run([*launch, "-m", "spmd_rl.evaluate", *flags], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=REPO)
+    return run_program("spmd_rl.evaluate", list(flags), nproc=nproc, cwd=REPO, timeout=600,
+                       env=dict(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1"))
 
 
 def samples(path) -> list[dict]:
@@ -38,7 +34,7 @@ def samples(path) -> list[dict]:
 def trained(tmp_path_factory):
     """A 3-step tiny run with a large learning rate (its weights differ from the base) and its export."""
     out = tmp_path_factory.mktemp("evaluate") / "run"
-    _check(torchrun(str(out), "--trainer.total-steps", "3", "--checkpoint.every", "3", nproc=1))
+    _check(launch(str(out), "--trainer.total-steps", "3", "--checkpoint.every", "3", nproc=1))
     hf = out.parent / "hf"
     export_hf(str(out), str(hf))
     return out, hf

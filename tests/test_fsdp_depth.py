@@ -1,6 +1,6 @@
 """FSDP engine in depth: Ulysses sequence parallel, Ulysses + HSDP, packed sequences and token-budget
 micro-batches each give the same GRPO update as one plain process; plus their error messages,
-the packing helpers, and one end-to-end run under torchrun with Ulysses + packing.
+the packing helpers, and one end-to-end run with Ulysses + packing.
 
 The parent process builds a fixed GRPO batch (ragged prompts and responses, PPO clipping, KL and
 entropy terms, gradient clipping on) and runs the update on a plain Hugging Face model with
@@ -417,11 +417,11 @@ def test_balanced_partition_and_budget() -> None:
 # --------------------------------------------------------------------------- end to end
 
 
-def test_ulysses_packing_trains_under_torchrun(tmp_path) -> None:
-    from test_train_e2e import _check, read_metrics, torchrun
+def test_ulysses_packing_trains_end_to_end(tmp_path) -> None:
+    from test_train_e2e import _check, launch, read_metrics
 
     out = str(tmp_path / "run")
-    proc = torchrun(out, "--trainer.total-steps", "3", "--actor.fsdp.ulysses-size", "2", "--actor.use-packing",
+    proc = launch(out, "--trainer.total-steps", "3", "--actor.fsdp.ulysses-size", "2", "--actor.use-packing",
                     "--algo.kl-coef", "0.01")
     _check(proc)
     steps = [m for m in read_metrics(out) if "actor/pg_loss" in m]

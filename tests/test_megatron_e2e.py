@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import HERE, REPO
-from spmd_rl.distributed.testing import free_port
+from spmd_rl.distributed.testing import run_program
 
 pytest.importorskip("megatron.core")
 
@@ -32,10 +31,9 @@ FLAGS = [
 
 
 def launch(out_dir: str, *flags: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           os.path.join(HERE, "support", "megatron_cpu_train.py"), *FLAGS, "--trainer.output-dir", out_dir, *flags]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    # support.megatron_cpu_train: spmd_rl.train with megatron-core's CPU shims installed first
+    proc = run_program("support.megatron_cpu_train", [*FLAGS, "--trainer.output-dir", out_dir, *flags], nproc=2,
+                       env=dict(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1"), cwd=REPO, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
     return proc
 

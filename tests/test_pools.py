@@ -22,7 +22,7 @@ import torch
 from conftest import HERE, REPO
 from spmd_rl.distributed.bridge import RowRoute, WeightBridge, recv_rows, send_rows
 from spmd_rl.distributed.comm import RemoteFailure
-from spmd_rl.distributed.testing import free_port, run_distributed
+from spmd_rl.distributed.testing import free_port, run_distributed, run_program
 from support.tiny import tiny_model_folder
 from test_train_e2e import TINY, read_metrics
 
@@ -37,10 +37,11 @@ def launch(out_dir: str, *flags: str, nproc: int) -> subprocess.Popen:
 
 
 def run_ok(out_dir: str, *flags: str, nproc: int) -> str:
-    proc = launch(out_dir, *flags, nproc=nproc)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{out[-3000:]}\nSTDERR\n{err[-6000:]}"
-    return err
+    """A run that must succeed: its ranks forked from a warm process (``run_program``); its stderr."""
+    proc = run_program("spmd_rl.train", [*TINY, "--trainer.output-dir", out_dir, *flags], nproc=nproc, cwd=REPO,
+                       env=dict(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
+    return proc.stderr
 
 
 def learning_metrics(out_dir: str) -> list[dict]:

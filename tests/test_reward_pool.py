@@ -30,7 +30,7 @@ import torch
 
 from conftest import HERE, REPO
 from spmd_rl.config import ActorConfig, Config, DataConfig, PoolsConfig, RewardConfig, RewardModelConfig, load_config
-from spmd_rl.distributed.testing import free_port, run_distributed
+from spmd_rl.distributed.testing import free_port, run_distributed, run_program
 
 CACHE = os.environ["SPMD_RL_CACHE"]
 RM = RewardModelConfig(path="tiny-random-rm", micro_batch_size=2)
@@ -247,12 +247,14 @@ def torchrun(out_dir: str, *flags: str, timeout: int) -> tuple[subprocess.Comple
     return proc, time.time()
 
 
-def test_grpo_with_reward_pool_under_torchrun(tmp_path: Path) -> None:
+def test_grpo_with_reward_pool(tmp_path: Path) -> None:
     import json
 
     out = str(tmp_path / "run")
-    proc, _ = torchrun(out, "--trainer.total-steps", "2", "--trainer.val-every", "2", "--reward.model.path",
-                       "tiny-random-rm", "--reward.model.weight", "2.0", "--reward.fn", "support.rewards:digit_fraction",
+    proc = run_program("spmd_rl.train", [*TINY, "--trainer.output-dir", out, "--trainer.total-steps", "2",
+                                         "--trainer.val-every", "2", "--reward.model.path", "tiny-random-rm",
+                                         "--reward.model.weight", "2.0", "--reward.fn", "support.rewards:digit_fraction"],
+                       nproc=3, env=dict(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1"), cwd=REPO,
                        timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
     with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -17,7 +17,7 @@ from support.megatron_cpu import install_megatron_cpu_shims  # noqa: E402
 
 install_megatron_cpu_shims()
 
-from spmd_rl.train import run  # noqa: E402
+from spmd_rl.train import main, run  # noqa: E402,F401  (main: for run_program)
 
 if __name__ == "__main__":
     run()
