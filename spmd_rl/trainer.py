@@ -53,7 +53,7 @@ from spmd_rl.distributed.plan import plan
 from spmd_rl.distributed.pools import GLOBAL
 from spmd_rl.distributed.world import RunGroups, build_run_groups
 from spmd_rl.distill import TeacherLink, check_tokenizers
-from spmd_rl.engine import build_engine, build_teacher, engine_spec
+from spmd_rl.engine import build_engine, build_reference, build_teacher, engine_spec
 from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, grpo_step_flops, peak_flops, phase_mfu
 from spmd_rl.models import FlopsModel, eos_token_ids, load_tokenizer, resolve_model_path
 from spmd_rl.profiling import format_stage_times, profiled, stage_times
@@ -91,7 +91,7 @@ class Trainer:
                        model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
                        total_updates=cfg.trainer.total_steps * self.updates_per_step)
         self.actor = build_engine("actor", **engines)
-        self.ref = build_engine("ref", **engines) if cfg.algo.use_kl_loss else None
+        self.ref = build_reference(self.actor, **engines) if cfg.algo.use_kl_loss else None  # LoRA: the actor's base
         self.teacher = self._teacher(groups)  # on-policy distillation (teacher.model.path), else None
         self.link = groups.rollout_link  # the rollout pool (pools.rollout_ranks > 0), else None
         self.rollout = None if self.link else build_rollout_from_config(

@@ -39,6 +39,11 @@ the optimizer step (:class:`~spmd_rl.engine.base.NonfiniteGuard`, at most
 ``ref.param_offload``) and the AdamW state (``actor.fsdp.optimizer_offload``) to the CPU between
 phases and back; both are idempotent and no-ops on CPU runs. The same class is the actor and the
 frozen reference (``trainable=False``).
+
+With ``lora`` (``actor.lora``, :mod:`spmd_rl.engine.lora`) only PEFT's adapters train and sit in the
+optimizer; the frozen base is sharded like any weight (bf16 on GPU) and is the reference
+(:meth:`FSDPEngine.adapters_off`); ``named_full_tensors`` yields merged weights under HF names; the
+checkpoint state holds the adapters and their optimizer state only.
 """
 
 from __future__ import annotations
@@ -54,9 +59,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from spmd_rl.config import ActorConfig, FsdpConfig
+from spmd_rl.config import ActorConfig, FsdpConfig, LoraConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.engine import attention, packing, ulysses
+from spmd_rl.engine import lora as lora_utils
 from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available, keep_logits_bytes
 from spmd_rl.engine.inputs import Staged, stage
@@ -98,12 +104,14 @@ class FSDPEngine:
         max_tokens_per_gpu: int | None = None,
         param_offload: bool | None = None,
         logits_chunk_tokens: int | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         """``group``: every rank running this engine in lockstep (the pool; None = the world);
         dynamic micro-batch counts are agreed over it. ``sp_group``: this rank's Ulysses group
         (None or size 1 = off). ``param_offload`` overrides ``fsdp.param_offload`` (the reference
         engine follows ``ref.param_offload``). ``logits_chunk_tokens``: positions per chunk of the
-        log-prob head (None = 1 GiB of fp32 logits per chunk, see :mod:`spmd_rl.engine.head`)."""
+        log-prob head (None = 1 GiB of fp32 logits per chunk, see :mod:`spmd_rl.engine.head`). ``lora``:
+        train adapters of this rank instead of the weights (None or rank 0 = full fine-tuning)."""
         if trainable and actor is None:
             raise ValueError("a trainable FSDPEngine needs the actor config section")
         self.device = device
@@ -146,6 +154,12 @@ class FSDPEngine:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
             model.requires_grad_(False)
+        self.lora = lora if lora is not None and lora.enabled and trainable else None
+        self.peft = lora_utils.apply_lora(model, self.lora) if self.lora is not None else None
+        if self.peft is not None and self.on_gpu:  # the frozen base computes in bf16 anyway: store it so
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.on_gpu else MixedPrecisionPolicy()
         for layer in _decoder_layers(model):
             if fsdp.compile_layers:
@@ -391,6 +405,10 @@ class FSDPEngine:
         the whole tensor and no collective runs.
         """
         self.onload()
+        if self.peft is not None:  # W + scale * B @ A under the HF names
+            yield from lora_utils.merged_named_tensors(self.model, dtype)
+            self.offload()
+            return
         for name, param in self.model.named_parameters():
             tensor = param.detach()
             if dtype is not None:
@@ -399,6 +417,14 @@ class FSDPEngine:
                 tensor = tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
             yield name, tensor
         self.offload()
+
+    @contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """The frozen base model inside the block (PEFT's ``disable_adapter``): a LoRA run's reference."""
+        if self.peft is None:
+            raise ValueError("adapters_off() needs a LoRA engine (actor.lora.rank > 0)")
+        with self.peft.disable_adapter():
+            yield
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, object]:
@@ -410,7 +436,8 @@ class FSDPEngine:
         unchanged) so that a load has tensors to fill. The reference engine has only ``model``.
         Tensors stay where they are (offloaded ones on the CPU); DCP writes them from there.
         """
-        options = StateDictOptions(full_state_dict=False, cpu_offload=False)
+        # with LoRA: the adapters only (the base comes from the model folder, unchanged)
+        options = StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=self.peft is not None)
         if self.optimizer is not None and not self.optimizer.state:
             self.onload(optimizer=True)  # that zero-lr step runs where parameters and state meet
         if self.optimizer is None:
@@ -427,7 +454,8 @@ class FSDPEngine:
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore what :meth:`state_dict` returned (after DCP filled it in place), then offload
         as configured (the optimizer puts loaded state next to its parameters, on the device)."""
-        options = StateDictOptions(full_state_dict=False, strict=True)
+        # LoRA: the state holds exactly the adapters state_dict() asked DCP for; the base is not in it
+        options = StateDictOptions(full_state_dict=False, strict=self.peft is None, ignore_frozen_params=self.peft is not None)
         self.onload(optimizer=True)
         if self.optimizer is None:
             set_state_dict(self.model, [], model_state_dict=state["model"], optim_state_dict={}, options=options)  # type: ignore[arg-type]
