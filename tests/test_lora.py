@@ -74,6 +74,9 @@ def _body(rank: int, world_size: int, folder: str, batch: RolloutBatch, ckpt: st
     in_optimizer = {id(p) for g in two.optimizer.param_groups for p in g["params"]}
     out["trainable_are_adapters"] = bool(trainable) and all(is_adapter_key(n) for n in trainable)
     out["optimizer_is_adapters"] = in_optimizer == {id(p) for n, p in two.model.named_parameters() if n in trainable}
+    # the reference forward first, as in a training step: the adapters must still train afterwards
+    FrozenBase(two).compute_logprobs(batch.select(range(rank * 8, rank * 8 + 8)), temperature=TEMPERATURE,
+                                     micro_batch_size=4)
     out["norms_two"] = [_update(two, batch, world)]
     dcp.save({"actor": two.state_dict()}, storage_writer=dcp.FileSystemWriter(ckpt), process_group=world)
     out["norms_two"].append(_update(two, batch, world))
@@ -146,7 +149,7 @@ def test_megatron_refuses_lora():
 
 # ---------------------------------------------------------------------------------- end to end
 TINY = [
-    "--model.path", "tiny-random", "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "16",
+    "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "16",
     "--rollout.n", "8", "--rollout.max-new-tokens", "8", "--rollout.temperature", "1.0",
     "--actor.ppo-mini-batch-size", "8", "--actor.micro-batch-size", "16",
     "--reward.fn", "support.rewards:digit_fraction", "--logging.wandb", "off", "--logging.no-console",
@@ -163,6 +166,25 @@ def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return proc
 
 
+def unit_scale_copy(folder: str, out: Path) -> str:
+    """``tiny-random`` with its linear layers (LM head included) rescaled to std 1/sqrt(fan-in), as in a
+    trained model. The built-in weights (std 0.02) make a near-uniform policy whose hidden states are
+    tiny, which adapters on the projections cannot move in a few steps (full fine-tuning learns by
+    changing the head itself); with unit-scale activations LoRA learns the task in a few steps."""
+    import shutil
+
+    model = load_causal_lm(folder, dtype=torch.float32)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(1.0 / (module.weight.std() * module.weight.shape[1] ** 0.5))
+    model.save_pretrained(out)
+    for item in Path(folder).iterdir():
+        if item.is_file() and item.name not in ("config.json", "model.safetensors"):
+            shutil.copy2(item, out / item.name)
+    return str(out)
+
+
 def test_lora_learns_and_exports(folder, tmp_path):
     import json
 
@@ -171,17 +193,19 @@ def test_lora_learns_and_exports(folder, tmp_path):
 
     from spmd_rl.checkpoint_files import load_without_process_group
 
+    folder = unit_scale_copy(folder, tmp_path / "model")
     out = tmp_path / "run"
     _run("-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()), "-m",
-         "spmd_rl.train", *TINY, "--trainer.output-dir", str(out), "--trainer.total-steps", "30")
+         "spmd_rl.train", *TINY, "--model.path", folder, "--trainer.output-dir", str(out),
+         "--trainer.total-steps", "10")
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "critic/score/mean" in m]
-    first = sum(m["critic/score/mean"] for m in steps[:5]) / 5
-    last = sum(m["critic/score/mean"] for m in steps[-5:]) / 5
-    assert last > first + 0.15, f"reward did not rise: first 5 steps {first:.3f}, last 5 steps {last:.3f}"
+    first = sum(m["critic/score/mean"] for m in steps[:2]) / 2
+    last = sum(m["critic/score/mean"] for m in steps[-3:]) / 3
+    assert last > first + 0.3, f"reward did not rise: first 2 steps {first:.3f}, last 3 steps {last:.3f}"
     assert steps[-1]["actor/kl_loss"] > 0  # the reference (the frozen base) differs from the trained policy
 
-    ckpt = out / "checkpoints" / "step_30"
+    ckpt = out / "checkpoints" / "step_10"
     adapters = load_without_process_group(ckpt, ["actor.model"])["actor"]["model"]
     assert adapters and all(is_adapter_key(k) for k in adapters), sorted(adapters)[:4]
 
@@ -199,8 +223,8 @@ def test_lora_learns_and_exports(folder, tmp_path):
     assert set(merged) <= set(expected)
     for key, tensor in merged.items():
         torch.testing.assert_close(tensor, expected[key], rtol=1e-6, atol=1e-6, msg=key)
-    changed = [k for k in merged if not torch.equal(merged[k], load_causal_lm(folder, dtype=torch.float32).state_dict()[k])]
-    assert any("q_proj" in k for k in changed)
+    base = load_causal_lm(folder, dtype=torch.float32).state_dict()
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
 
     assert {p.name for p in adapter_dir.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
     by_peft = PeftModel.from_pretrained(load_causal_lm(folder, dtype=torch.float32), str(adapter_dir)).merge_and_unload()

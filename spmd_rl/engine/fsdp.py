@@ -420,10 +420,11 @@ class FSDPEngine:
 
     @contextmanager
     def adapters_off(self) -> Iterator[None]:
-        """The frozen base model inside the block (PEFT's ``disable_adapter``): a LoRA run's reference."""
+        """The frozen base model inside the block (adapters off, :func:`~spmd_rl.engine.lora.adapters_off`):
+        a LoRA run's reference."""
         if self.peft is None:
             raise ValueError("adapters_off() needs a LoRA engine (actor.lora.rank > 0)")
-        with self.peft.disable_adapter():
+        with lora_utils.adapters_off(self.model):
             yield
 
     # ------------------------------------------------------------------ checkpoints

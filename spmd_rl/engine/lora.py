@@ -2,7 +2,7 @@
 reference, merged weights for the rollout, and the adapters' own checkpoint and export formats.
 
     peft_model = apply_lora(model, cfg.actor.lora)     # before fully_shard; only the adapters train
-    with peft_model.disable_adapter(): ...             # the frozen base (FSDPEngine.adapters_off)
+    with adapters_off(model): ...                      # the frozen base (FSDPEngine.adapters_off)
     ref = FrozenBase(actor_engine)                     # the reference of a LoRA run: no weights of its own
     for name, tensor in merged_named_tensors(model, dtype=torch.bfloat16): ...   # HF names, W + s * B @ A
     merged = merge_adapters(base_state, adapter_state, scale=alpha / rank)      # export, no model
@@ -23,6 +23,7 @@ the same chunks, so a rank's rows of ``W + s * B @ A`` need only its own shards 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -73,6 +74,31 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> Any:
         raise ValueError(f"actor.lora.targets={list(lora.targets)}: {e}. Linear layers of this model: {linear} "
                          "(or all-linear)") from e
     return peft_model
+
+
+@contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """The base model inside the block: every adapter layer computes its base layer only (PEFT's
+    ``enable_adapters(False)``, what ``PeftModel.disable_adapter()`` does).
+
+    PEFT also sets ``requires_grad=False`` on the adapters while they are off; under FSDP2 that is
+    not harmless: FSDP2 makes each unsharded parameter once, at its first all-gather, with the
+    ``requires_grad`` its shard has then, so a reference forward before the first update would leave
+    the adapters without gradients for good. Their ``requires_grad`` is therefore put back before
+    the block runs."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for layer in layers:
+        layer.enable_adapters(False)
+    for p in trainable:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -179,5 +205,5 @@ def save_peft_adapter(adapters: dict[str, torch.Tensor], lora: LoraConfig, out_d
     save_file(peft_adapter_state(adapters), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
-__all__ = ["ADAPTER", "FrozenBase", "apply_lora", "hf_name", "is_adapter_key", "merge_adapters",
+__all__ = ["ADAPTER", "FrozenBase", "adapters_off", "apply_lora", "hf_name", "is_adapter_key", "merge_adapters",
            "merged_named_tensors", "peft_adapter_state", "peft_config", "save_peft_adapter"]
