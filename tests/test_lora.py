@@ -232,3 +232,13 @@ def test_lora_learns_and_exports(folder, tmp_path):
         if key in merged:
             torch.testing.assert_close(merged[key], tensor, rtol=1e-6, atol=1e-6, msg=key)
     assert Path(merged_dir / "config.json").is_file()
+
+
+def test_memory_bench_tiny(tmp_path):
+    """``bench/lora_memory.py --tiny`` runs on the CPU and prints one row per mode, LoRA training fewer parameters."""
+    proc = _run("bench/lora_memory.py", "--tiny", "--root", str(tmp_path))
+    rows = {line.split()[0] + (" " + line.split()[1] if line.startswith("LoRA") else ""): line.split()
+            for line in proc.stdout.splitlines() if line.startswith(("full ", "LoRA r="))}
+    assert set(rows) == {"full", "LoRA r=16"}, proc.stdout
+    trainable = {mode: int(cols[2 if mode.startswith("LoRA") else 1].replace(",", "")) for mode, cols in rows.items()}
+    assert 0 < trainable["LoRA r=16"] < trainable["full"], proc.stdout
