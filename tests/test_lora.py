@@ -167,13 +167,15 @@ def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def unit_scale_copy(folder: str, out: Path) -> str:
-    """``tiny-random`` with its linear layers (LM head included) rescaled to std 1/sqrt(fan-in), as in a
-    trained model. The built-in weights (std 0.02) make a near-uniform policy whose hidden states are
+    """``tiny-random`` with its linear layers (the LM head, tied to the embeddings, included) rescaled to
+    std 1/sqrt(fan-in), as in a trained model. The built-in weights (std 0.02) make a near-uniform policy whose hidden states are
     tiny, which adapters on the projections cannot move in a few steps (full fine-tuning learns by
     changing the head itself); with unit-scale activations LoRA learns the task in a few steps."""
     import shutil
 
     model = load_causal_lm(folder, dtype=torch.float32)
+    model.config.tie_word_embeddings = True  # tied, as most small models are: checkpoints must not hold the head
+    model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):

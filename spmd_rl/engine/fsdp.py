@@ -446,6 +446,8 @@ class FSDPEngine:
             return {"model": model_sd}
         assert self.scheduler is not None
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        if self.peft is not None:  # a tied head's second name survives ignore_frozen_params
+            model_sd = {k: v for k, v in model_sd.items() if lora_utils.is_adapter_key(k)}
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def export_weights(self) -> dict[str, torch.Tensor]:
