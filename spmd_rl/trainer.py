@@ -62,7 +62,7 @@ from spmd_rl.distributed.plan import plan
 from spmd_rl.distributed.pools import GLOBAL
 from spmd_rl.distributed.world import RunGroups, build_run_groups
 from spmd_rl.distill import TeacherLink, check_tokenizers
-from spmd_rl.engine import build_engine, build_teacher, engine_spec
+from spmd_rl.engine import build_engine, build_reference, build_teacher, engine_spec
 from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, grpo_step_flops, peak_flops, phase_mfu
 from spmd_rl.models import FlopsModel, eos_token_ids, load_tokenizer, resolve_model_path
 from spmd_rl.passk import sample_metrics
@@ -102,7 +102,8 @@ class Trainer:
                        model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
                        total_updates=cfg.trainer.total_steps * self.updates_per_step, moe_aux_coef=cfg.algo.moe_aux_coef)
         self.actor = build_engine("actor", **engines)
-        self.ref = build_engine("ref", **engines) if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward else None
+        self.ref = (build_reference(self.actor, **engines)  # LoRA: the actor's base, adapters off
+                    if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward else None)
         self.critic = build_critic(critic=cfg.critic, algo=cfg.algo, actor_tokenizer=self.tokenizer, engines=engines,
                                    total_steps=cfg.trainer.total_steps, mini_batches=self.mini_batches,
                                    sum_weight=self.place.sum_weight, group=self.group)  # PPO's value model, or None

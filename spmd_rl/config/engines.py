@@ -1,5 +1,5 @@
-"""The training engines' config sections: ``actor`` (with its ``fsdp`` and ``megatron`` layouts),
-``ref`` and ``critic``. Same conventions as :mod:`.sections`."""
+"""The training engines' config sections: ``actor`` (with its ``fsdp`` and ``megatron`` layouts and
+``lora`` adapters), ``ref`` and ``critic``. Same conventions as :mod:`.sections`."""
 
 from __future__ import annotations
 
@@ -77,6 +77,38 @@ class MegatronConfig:
         )
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of a Llama / Qwen / Mistral decoder layer: attention and MLP projections."""
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r: train low-rank adapters `W + (alpha / r) * B @ A` on `actor.lora.targets` (PEFT)
+    instead of every weight; the frozen base is the reference (no second model for the KL term),
+    hot-swaps send merged weights and checkpoints hold the adapters only. 0 = off (full fine-tuning).
+    FSDP engine only."""
+    alpha: float = 16.0
+    """LoRA alpha: the adapters' update is scaled by `alpha / rank`."""
+    targets: tuple[str, ...] = LORA_TARGETS
+    """Module names (last part of the name) that get adapters, as PEFT's `target_modules`; `all-linear`
+    = every linear layer but the LM head."""
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, f"actor.lora.rank must be >= 0 (0 = off), got {self.rank}")
+        _check(self.alpha > 0, f"actor.lora.alpha must be > 0, got {self.alpha}")
+        _check(len(self.targets) >= 1, "actor.lora.targets must name at least one module (or all-linear)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """What ``B @ A`` is multiplied by (PEFT's ``scaling`` without rsLoRA)."""
+        return self.alpha / self.rank
+
+
 @dataclass(kw_only=True)
 class ActorConfig:
     engine: Literal["fsdp", "megatron"] = "fsdp"
@@ -122,6 +154,8 @@ class ActorConfig:
     """FSDP2 engine layout and memory options."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """megatron-core engine layout."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (`actor.lora.rank` > 0)."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"actor.lr must be > 0, got {self.lr}")

@@ -204,6 +204,11 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
             warnings.append(f"trainer.max_staleness={cfg.trainer.max_staleness} trains on samples of an older policy "
                             f"with no importance correction: consider --algo.rollout-is token_truncated")
     fractions = _memory_fractions(cfg, specs, world_size, nproc_per_node)
+    if cfg.actor.lora.enabled and not engine.lora:
+        supported = sorted(name for name, spec in ENGINES.items() if spec.lora)
+        raise ValueError(f"actor.lora.rank={cfg.actor.lora.rank} trains LoRA adapters, which actor.engine="
+                         f"{cfg.actor.engine} does not support: use --actor.engine {' or '.join(supported)}, or "
+                         f"--actor.lora.rank 0 for full fine-tuning")
     ignored = engine.ignored_flags(cfg.actor)
     if ignored:
         raise ValueError(f"{', '.join(ignored)} apply to actor.engine=fsdp only; unset them for "

@@ -5,6 +5,7 @@
     actor = build_engine("actor", actor=cfg.actor, ref=cfg.ref, model=cfg.model, seed=0, groups=groups,
                          model_folder=folder, device=device, pad_token_id=0, total_updates=40)
     critic = build_engine("critic", ..., critic=cfg.critic)   # the value model, where spec.critic
+    ref = build_reference(actor, actor=cfg.actor, ref=cfg.ref, ...)   # the LoRA actor's base, or an engine
 
 Every engine implements :class:`~spmd_rl.engine.base.TrainEngine`. This table is the only place
 that tells the engines apart: :func:`spmd_rl.distributed.plan.plan` reads their layouts and rules
@@ -57,6 +58,8 @@ class EngineSpec:
     """Flags set in ``actor`` that this engine does not use (plan() refuses them)."""
     warnings: Callable[[ActorConfig], list[str]] = field(default=lambda actor: [])
     """What the layout tool should say before a run starts (the engine refuses it at start)."""
+    lora: bool = False
+    """It trains LoRA adapters (``actor.lora.rank`` > 0) and its actor is its own reference then."""
 
 
 def _fsdp_layouts(actor: ActorConfig, size: int) -> dict[str, Any]:
@@ -79,7 +82,7 @@ def _build_fsdp(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelC
                   use_packing=actor.use_packing, max_tokens_per_gpu=actor.max_tokens_per_gpu)
     if role == "actor":
         return FSDPEngine(actor=actor, total_updates=total_updates, trainable=True, moe_aux_coef=moe_aux_coef,
-                          gradient_checkpointing=model.gradient_checkpointing, **common)
+                          gradient_checkpointing=model.gradient_checkpointing, lora=actor.lora, **common)
     if role == "critic":
         assert critic is not None, "the critic's engine needs the critic section"
         common["trust_remote_code"] = critic.model.trust_remote_code
@@ -119,7 +122,7 @@ def _megatron_ignored(actor: ActorConfig) -> list[str]:
 
 ENGINES: dict[str, EngineSpec] = {
     "fsdp": EngineSpec(layouts=_fsdp_layouts, meshes=("fsdp", "ulysses"), batch_layout="ulysses", build=_build_fsdp,
-                       critic=True),
+                       critic=True, lora=True),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
                            whole_world=True, export_copy=True, ignored_flags=_megatron_ignored),
 }
@@ -139,6 +142,17 @@ def build_engine(role: Role, *, actor: ActorConfig, **kwargs: Any) -> TrainEngin
     return engine_spec(actor.engine).build(role, actor=actor, **kwargs)
 
 
+def build_reference(actor_engine: TrainEngine, *, actor: ActorConfig, **kwargs: Any) -> Any:
+    """The frozen reference: with LoRA the actor's own base model with its adapters off (no second
+    copy of the weights, :class:`~spmd_rl.engine.lora.FrozenBase`), else a ``ref`` engine built from
+    the model folder (``kwargs`` as for :func:`build_engine`)."""
+    if actor.lora.enabled:
+        from spmd_rl.engine.lora import FrozenBase
+
+        return FrozenBase(actor_engine)
+    return build_engine("ref", actor=actor, **kwargs)
+
+
 def build_teacher(*, teacher: TeacherConfig, actor: ActorConfig, model_folder: str, mesh: Any, group: Any,
                   device: torch.device, pad_token_id: int, sp_group: Any = None) -> TrainEngine:
     """The frozen teacher of on-policy distillation: an FSDP engine over ``mesh`` (the actor's mesh
@@ -151,5 +165,5 @@ def build_teacher(*, teacher: TeacherConfig, actor: ActorConfig, model_folder: s
                       trainable=False, param_offload=teacher.param_offload)
 
 
-__all__ = ["ENGINES", "ActorLayout", "EngineSpec", "LossFn", "NonfiniteGuard", "TrainEngine", "build_engine", "build_teacher",
-           "critic_optimizer", "engine_spec", "lr_lambda"]
+__all__ = ["ENGINES", "ActorLayout", "EngineSpec", "LossFn", "NonfiniteGuard", "TrainEngine", "build_engine",
+           "build_reference", "build_teacher", "critic_optimizer", "engine_spec", "lr_lambda"]

@@ -47,6 +47,11 @@ them); in training forwards the model also returns its router load-balancing los
 ``aux_loss``, over every token of the micro-batch's grid, padding included), reported as
 ``moe_aux_loss`` and added to the loss times ``moe_aux_coef`` (``algo.moe_aux_coef``, default 0 = report
 only), averaged over the micro-batches and ranks of the update.
+
+With ``lora`` (``actor.lora``, :mod:`spmd_rl.engine.lora`) only PEFT's adapters train and sit in the
+optimizer; the frozen base is sharded like any weight (bf16 on GPU) and is the reference
+(:meth:`FSDPEngine.adapters_off`); ``named_full_tensors`` yields merged weights under HF names; the
+checkpoint state holds the adapters and their optimizer state only.
 """
 
 from __future__ import annotations
@@ -62,9 +67,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from spmd_rl.config import ActorConfig, FsdpConfig
+from spmd_rl.config import ActorConfig, FsdpConfig, LoraConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.engine import attention, packing, ulysses
+from spmd_rl.engine import lora as lora_utils
 from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available, keep_logits_bytes
 from spmd_rl.engine.inputs import Staged, stage
@@ -110,6 +116,7 @@ class FSDPEngine:
         value_model: bool = False,
         seed: int = 0,
         moe_aux_coef: float = 0.0,
+        lora: LoraConfig | None = None,
     ) -> None:
         """``group``: every rank running this engine in lockstep (the pool; None = the world);
         dynamic micro-batch counts are agreed over it. ``sp_group``: this rank's Ulysses group
@@ -118,7 +125,8 @@ class FSDPEngine:
         log-prob head (None = 1 GiB of fp32 logits per chunk, see :mod:`spmd_rl.engine.head`).
         ``value_model``: the critic, a one-output token classifier whose values take the place of
         log-probs everywhere (:mod:`spmd_rl.engine.value`; a new head is initialised from ``seed``).
-        ``moe_aux_coef``: weight of an MoE model's router load-balancing loss (module docstring)."""
+        ``moe_aux_coef``: weight of an MoE model's router load-balancing loss (module docstring).
+        ``lora``: train adapters of this rank instead of the weights (None or rank 0 = full fine-tuning)."""
         if trainable and actor is None:
             raise ValueError("a trainable FSDPEngine needs the actor config section")
         self.device = device
@@ -171,6 +179,12 @@ class FSDPEngine:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not trainable:
             model.requires_grad_(False)
+        self.lora = lora if lora is not None and lora.enabled and trainable else None
+        self.peft = lora_utils.apply_lora(model, self.lora) if self.lora is not None else None
+        if self.peft is not None and self.on_gpu:  # the frozen base computes in bf16 anyway: store it so
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.on_gpu else MixedPrecisionPolicy()
         for layer in _decoder_layers(model):
             if fsdp.compile_layers:
@@ -438,6 +452,10 @@ class FSDPEngine:
         the whole tensor and no collective runs.
         """
         self.onload()
+        if self.peft is not None:  # W + scale * B @ A under the HF names
+            yield from lora_utils.merged_named_tensors(self.model, dtype)
+            self.offload()
+            return
         for name, param in self.model.named_parameters():
             tensor = param.detach()
             if dtype is not None:
@@ -446,6 +464,15 @@ class FSDPEngine:
                 tensor = tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
             yield name, tensor
         self.offload()
+
+    @contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """The frozen base model inside the block (adapters off, :func:`~spmd_rl.engine.lora.adapters_off`):
+        a LoRA run's reference."""
+        if self.peft is None:
+            raise ValueError("adapters_off() needs a LoRA engine (actor.lora.rank > 0)")
+        with lora_utils.adapters_off(self.model):
+            yield
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, object]:
@@ -457,7 +484,8 @@ class FSDPEngine:
         unchanged) so that a load has tensors to fill. The reference engine has only ``model``.
         Tensors stay where they are (offloaded ones on the CPU); DCP writes them from there.
         """
-        options = StateDictOptions(full_state_dict=False, cpu_offload=False)
+        # with LoRA: the adapters only (the base comes from the model folder, unchanged)
+        options = StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=self.peft is not None)
         if self.optimizer is not None and not self.optimizer.state:
             self.onload(optimizer=True)  # that zero-lr step runs where parameters and state meet
         if self.optimizer is None:
@@ -465,6 +493,8 @@ class FSDPEngine:
             return {"model": model_sd}
         assert self.scheduler is not None
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        if self.peft is not None:  # a tied head's second name survives ignore_frozen_params
+            model_sd = {k: v for k, v in model_sd.items() if lora_utils.is_adapter_key(k)}
         return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def export_weights(self) -> dict[str, torch.Tensor]:
@@ -474,7 +504,8 @@ class FSDPEngine:
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore what :meth:`state_dict` returned (after DCP filled it in place), then offload
         as configured (the optimizer puts loaded state next to its parameters, on the device)."""
-        options = StateDictOptions(full_state_dict=False, strict=True)
+        # LoRA: the state holds exactly the adapters state_dict() asked DCP for; the base is not in it
+        options = StateDictOptions(full_state_dict=False, strict=self.peft is None, ignore_frozen_params=self.peft is not None)
         self.onload(optimizer=True)
         if self.optimizer is None:
             set_state_dict(self.model, [], model_state_dict=state["model"], optim_state_dict={}, options=options)  # type: ignore[arg-type]
