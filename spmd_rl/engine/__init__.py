@@ -86,13 +86,15 @@ def _build_megatron(role: Role, *, actor: ActorConfig, ref: RefConfig, model: Mo
                   trust_remote_code=model.trust_remote_code, pad_token_id=pad_token_id, seed=seed)
     if role == "actor":
         return MegatronEngine(actor=actor, total_updates=total_updates, trainable=True, **common)
-    return MegatronEngine(trainable=False, **common)
+    return MegatronEngine(trainable=False, param_offload=ref.param_offload, **common)
 
 
 def _megatron_ignored(actor: ActorConfig) -> list[str]:
     return [flag for flag, on in (("actor.use_packing", actor.use_packing),
                                   ("actor.max_tokens_per_gpu", actor.max_tokens_per_gpu is not None),
-                                  ("actor.fsdp.ulysses_size", actor.fsdp.ulysses_size > 1)) if on]
+                                  ("actor.fsdp.ulysses_size", actor.fsdp.ulysses_size > 1),
+                                  ("actor.fsdp.param_offload", actor.fsdp.param_offload),
+                                  ("actor.fsdp.optimizer_offload", actor.fsdp.optimizer_offload)) if on]
 
 
 def _megatron_warnings(actor: ActorConfig) -> list[str]:
