@@ -147,7 +147,7 @@ def test_offload_and_resume_on_other_layouts(tmp_path) -> None:
         assert r["next_update"][0] <= TOL, r["next_update"]
     a, b, c = (_full(str(tmp_path / name)) for name in "abc")
     assert set(a) == set(b) == set(c), set(a) ^ set(c)
-    for entry in ("model.decoder.layers.3.mlp.linear_fc1.weight/up", "optim.exp_avg_sq/embedding.word_embeddings.weight",
+    for entry in ("weights.decoder.layers.3.mlp.linear_fc1.weight/up", "optim.exp_avg_sq/embedding.word_embeddings.weight",
                   "optim.param/embedding.word_embeddings.weight", "adam_step"):
         assert f"actor.{entry}" in a, (entry, sorted(a))
     for key in a:

@@ -11,7 +11,7 @@ from it, the trainer builds the actor and the reference through :func:`build_eng
 modules are imported only when built, so planning a layout needs neither FSDP nor megatron-core.
 
 * ``fsdp`` (:mod:`.fsdp`): FSDP2 over ``[fsdp]`` / ``[ddp, fsdp]``, Ulysses ``[dp, sp]`` for the batch.
-* ``megatron`` (:mod:`.megatron`): megatron-core tp / pp / vpp / cp / ep; its groups span the world.
+* ``megatron`` (:mod:`.megatron`): megatron-core tp / pp / vpp / cp / ep over the global pool.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def _build_megatron(role: Role, *, actor: ActorConfig, ref: RefConfig, model: Mo
     from spmd_rl.engine.megatron import MegatronEngine  # actor and reference share megatron's groups
 
     common = dict(model_folder=model_folder, device=device, layout=groups.plan.actor, megatron=actor.megatron,
-                  trust_remote_code=model.trust_remote_code, pad_token_id=pad_token_id, seed=seed)
+                  trust_remote_code=model.trust_remote_code, pad_token_id=pad_token_id, seed=seed,
+                  group=groups.pools.get("global").group)
     if role == "actor":
         return MegatronEngine(actor=actor, total_updates=total_updates, trainable=True, **common)
     return MegatronEngine(trainable=False, param_offload=ref.param_offload, **common)
@@ -107,7 +108,7 @@ def _megatron_warnings(actor: ActorConfig) -> list[str]:
 ENGINES: dict[str, EngineSpec] = {
     "fsdp": EngineSpec(layouts=_fsdp_layouts, meshes=("fsdp", "ulysses"), batch_layout="ulysses", build=_build_fsdp),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
-                           whole_world=True, export_copy=True, ignored_flags=_megatron_ignored, warnings=_megatron_warnings),
+                           export_copy=True, ignored_flags=_megatron_ignored, warnings=_megatron_warnings),
 }
 
 

@@ -98,9 +98,10 @@ class MegatronEngine:
         pad_token_id: int = 0,
         seed: int = 0,
         param_offload: bool | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         """``param_offload`` overrides ``megatron.param_offload`` (the reference follows
-        ``ref.param_offload``)."""
+        ``ref.param_offload``). ``group``: the actor pool's group (None = the world)."""
         if trainable and actor is None:
             raise ValueError("a trainable MegatronEngine needs the actor config section")
         from megatron.core import parallel_state as ps
@@ -108,6 +109,7 @@ class MegatronEngine:
         init_model_parallel(layout, seed=seed)
         self.device = device
         self.layout = layout
+        self.group = group
         self.trainable = trainable
         self.pad_token_id = pad_token_id
         self.on_gpu = device.type == "cuda"
@@ -195,9 +197,12 @@ class MegatronEngine:
         # (megatron-core >= 0.15); older releases take a no-weight-decay predicate instead
         import inspect
 
-        if "config_overrides" in inspect.signature(get_megatron_optimizer).parameters:
-            return get_megatron_optimizer(config, self.model, config_overrides={})
-        return get_megatron_optimizer(config, self.model, no_weight_decay_cond=lambda name, param: False)
+        from spmd_rl.engine.megatron.groups import world_of
+
+        with world_of(self.layout.size, self.group):  # it gathers its parameter groups over the "world"
+            if "config_overrides" in inspect.signature(get_megatron_optimizer).parameters:
+                return get_megatron_optimizer(config, self.model, config_overrides={})
+            return get_megatron_optimizer(config, self.model, no_weight_decay_cond=lambda name, param: False)
 
     @torch.no_grad()
     def _main_params_from(self, fp32_weights: dict[torch.nn.Parameter, torch.Tensor]) -> None:
@@ -414,7 +419,7 @@ class MegatronEngine:
                 segs_of[p] = segs
                 data = self._parked_params.view(p.detach())
                 reshard.add_pieces(model, segs, data.reshape(-1), 0, p.numel(), prefix="")
-        state: dict[str, object] = {"model": reshard.as_pieces(model)}
+        state: dict[str, object] = {"weights": reshard.as_pieces(model)}  # not "model": the export reads that as HF names
         if self.optimizer is not None:
             optim: dict[str, tuple] = {}
             for opt, model_param, main in self._main_params():
@@ -451,7 +456,7 @@ class MegatronEngine:
         self._park(params=parked[0], optimizer=parked[1])
 
     def state_dict(self) -> dict[str, object]:
-        """What a resume needs, on any layout: ``model`` and ``optim`` (the fp32 main weights and
+        """What a resume needs, on any layout: ``weights`` and ``optim`` (the fp32 main weights and
         AdamW moments) as global tensors of which this rank holds its rectangles (see :mod:`.reshard`),
         AdamW's step count and the update count. Offloaded tensors stay offloaded: their entries
         are views of the host copies."""

@@ -2,8 +2,10 @@
 megatron GLOBAL name with its full (un-split) shape, each rank holding the rectangles it owns, so
 DCP reads any saved layout into any other (tp, pp, vpp, dp, ep) one.
 
-    state = layout_free_state(chunks, optimizer, spec=spec)   # {"model": {...}, "optim": {...}}
-    dcp.save(state, ...)  /  dcp.load(state, ...)              # in place, on any layout
+    out = {}
+    add_pieces(out, segments(name, param, ...), param.view(-1), 0, param.numel(), prefix="")
+    state = {"weights": as_pieces(out), ...}       # MegatronEngine.state_dict (with "optim")
+    dcp.save(state, ...)  /  dcp.load(state, ...)  # in place, on any layout
 
 Names: a chunk's ``decoder.layers.{i}`` becomes the model's global layer number (pp and vpp
 offsets), an expert's ``local_experts.{j}`` its global expert number (ep offset). Shapes: a tp-split
