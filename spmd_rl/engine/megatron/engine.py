@@ -26,13 +26,18 @@ the optimizer, seeded from the loaded fp32 weights (not from their bf16 rounding
 ``MegatronEngine._main_params_from``); on CPU everything is fp32.
 
 ``compute_logprobs`` runs on every rank and broadcasts the last stage's log-probs over the pipeline
-group. ``state_dict`` is this rank's shards and AdamW state keyed by global rank, so a checkpoint
-resumes on the same world size and megatron layout only; ``export_weights`` gives the full HF-named
-weights on global rank 0, which the checkpoint keeps once for ``python -m spmd_rl.export``. The
-embedding's padding row gets no gradient (as HF's ``padding_idx``). ``offload`` / ``onload`` are
-no-ops. Tests: ``tests/test_megatron_parity.py`` (TP2, TP2+SP, PP2, TP2xPP2, PP2xVPP2, EP2 updates
+group. ``state_dict`` holds every weight, fp32 main weight and AdamW moment under its megatron name
+in the whole model with its full shape, as the rectangles this rank owns (:mod:`.reshard`), so DCP
+resumes a checkpoint on any other tp / pp / vpp / dp / ep layout; ``export_weights`` gives the full
+HF-named weights on global rank 0, which the checkpoint keeps once for ``python -m spmd_rl.export``.
+The embedding's padding row gets no gradient (as HF's ``padding_idx``). ``offload`` / ``onload``
+move the parameters and gradient buffers (``actor.megatron.param_offload``, ``ref.param_offload``)
+and the distributed optimizer's main weights and moments (``actor.megatron.optimizer_offload``) to
+host memory between phases and back, exactly (:mod:`.offload`). The groups are built over the
+global pool, also next to pools of other roles (:mod:`.groups`). Tests: ``tests/test_megatron_parity.py`` (TP2, TP2+SP, PP2, TP2xPP2, PP2xVPP2, EP2 updates
 against one process; log-probs against the FSDP engine; HF round trip), ``test_megatron_e2e.py``
-(torchrun run, exact resume, HF export) and ``test_megatron_bf16.py`` (the bf16 path emulated on
+(torchrun run, exact resume, HF export, a reward pool), ``test_megatron_state.py`` (offload, resume
+on other layouts) and ``test_megatron_bf16.py`` (the bf16 path emulated on
 CPU); ``bench/megatron_gpu_check.py`` compares it with the FSDP engine in bf16 on GPUs.
 """
 

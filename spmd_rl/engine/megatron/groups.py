@@ -17,7 +17,7 @@ after checking they are the same layout.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
