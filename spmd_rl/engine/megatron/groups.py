@@ -16,8 +16,8 @@ after checking they are the same layout.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
