@@ -520,7 +520,7 @@ class MegatronEngine:
         out = []
         for _, _, main in self._main_params():
             for t in (main, *self._moments(main)):
-                if t.device == self.device and t.untyped_storage()._cdata not in params:
+                if t.device.type == self.device.type and t.untyped_storage()._cdata not in params:
                     out.append(t)
         return out
 
