@@ -1,6 +1,7 @@
 """``actor.engine=megatron`` through the real entry point under torchrun (2 CPU processes, gloo,
 pipeline parallel 2, reference model on): a few GRPO steps with a checkpoint, then a second job that
-resumes from the step-2 checkpoint reproduces step 3 exactly.
+resumes from the step-2 checkpoint reproduces step 3 exactly. And with a reward pool of its own
+(3 processes: megatron-core's groups over the first two, the reward model on the third).
 
 The processes start through ``tests/support/megatron_cpu_train.py`` (``spmd_rl.train`` with the CPU
 shims that megatron-core needs on a CPU-only torch; see ``support.megatron_cpu``).
@@ -30,9 +31,9 @@ FLAGS = [
 ]
 
 
-def launch(out_dir: str, *flags: str) -> subprocess.CompletedProcess:
+def launch(out_dir: str, *flags: str, nproc: int = 2) -> subprocess.CompletedProcess:
     # support.megatron_cpu_train: spmd_rl.train with megatron-core's CPU shims installed first
-    proc = run_program("support.megatron_cpu_train", [*FLAGS, "--trainer.output-dir", out_dir, *flags], nproc=2,
+    proc = run_program("support.megatron_cpu_train", [*FLAGS, "--trainer.output-dir", out_dir, *flags], nproc=nproc,
                        env=dict(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1"), cwd=REPO, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
     return proc
@@ -86,3 +87,16 @@ def test_megatron_train_checkpoint_and_exact_resume(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(folder)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), exported[0][name]), name
+
+
+def test_megatron_with_a_reward_pool(tmp_path):
+    """pp 2 over global ranks 0-1, the reward model on rank 2: megatron-core's groups are built on every
+    rank with a world of 2; the steps train and the reward model's scores reach the loss."""
+    out = str(tmp_path / "pool")
+    launch(out, "--trainer.total-steps", "2", "--checkpoint.every", "0", "--checkpoint.no-save-final",
+           "--pools.reward-ranks", "1", "--reward.model.path", "tiny-random-rm", "--reward.model.micro-batch-size", "2",
+           nproc=3)
+    got = steps(out)
+    assert sorted(got) == [1, 2]
+    assert got[2]["actor/grad_norm"] > 0 and got[2]["actor/kl_loss"] > 0
+    assert "reward/model_score/mean" in got[2]

@@ -25,9 +25,6 @@ RULES = [
      "rollout.max_new_tokens (256) = 768, the longest sequence"),
     (["--pools.reward-ranks", "1"], 2,
      "pools.reward_ranks=1 makes a reward pool, but reward.model.path is not set, so it would serve nothing"),
-    (["--actor.engine", "megatron", "--pools.reward-ranks", "1", *RM], 2,
-     "actor.engine=megatron builds its groups over the whole world, so it cannot run next to pools of other roles "
-     "(pools.reward_ranks=1): set --pools.reward-ranks 0 (those roles then run colocated) or use --actor.engine fsdp"),
     (["--rollout.backend", "vllm", "--pools.reward-ranks", "1", *RM], 2,
      "rollout.backend=vllm lays its groups over the whole world, so every rank must be in the global pool "
      "(pools.reward_ranks=1): set --pools.reward-ranks 0 or use --rollout.backend native"),

@@ -64,6 +64,13 @@ class MegatronConfig:
     """Rank order of the parallel axes, fastest-varying first, as megatron-core takes it."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside the tp group."""
+    param_offload: bool = False
+    """Keep the parameters in host memory between phases (their gradient buffers are freed), moved
+    back to the device for each forward or update, in place and exactly (pinned memory on GPU; on CPU
+    runs the same swap between host buffers, which frees nothing)."""
+    optimizer_offload: bool = False
+    """Keep the distributed optimizer's fp32 main weights and AdamW moments in host memory between
+    updates (as `actor.megatron.param_offload`)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "cp", "ep"):

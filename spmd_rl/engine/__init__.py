@@ -13,7 +13,7 @@ from it, the trainer builds the actor, the reference and the critic through :fun
 modules are imported only when built, so planning a layout needs neither FSDP nor megatron-core.
 
 * ``fsdp`` (:mod:`.fsdp`): FSDP2 over ``[fsdp]`` / ``[ddp, fsdp]``, Ulysses ``[dp, sp]`` for the batch.
-* ``megatron`` (:mod:`.megatron`): megatron-core tp / pp / vpp / cp / ep; its groups span the world.
+* ``megatron`` (:mod:`.megatron`): megatron-core tp / pp / vpp / cp / ep over the global pool.
 """
 
 from __future__ import annotations
@@ -108,23 +108,26 @@ def _build_megatron(role: Role, *, actor: ActorConfig, ref: RefConfig, model: Mo
                          "algo.adv_estimator=gae")
 
     common = dict(model_folder=model_folder, device=device, layout=groups.plan.actor, megatron=actor.megatron,
-                  trust_remote_code=model.trust_remote_code, pad_token_id=pad_token_id, seed=seed)
+                  trust_remote_code=model.trust_remote_code, pad_token_id=pad_token_id, seed=seed,
+                  group=groups.pools.get("global").group)
     if role == "actor":
         return MegatronEngine(actor=actor, total_updates=total_updates, trainable=True, **common)
-    return MegatronEngine(trainable=False, **common)
+    return MegatronEngine(trainable=False, param_offload=ref.param_offload, **common)
 
 
 def _megatron_ignored(actor: ActorConfig) -> list[str]:
     return [flag for flag, on in (("actor.use_packing", actor.use_packing),
                                   ("actor.max_tokens_per_gpu", actor.max_tokens_per_gpu is not None),
-                                  ("actor.fsdp.ulysses_size", actor.fsdp.ulysses_size > 1)) if on]
+                                  ("actor.fsdp.ulysses_size", actor.fsdp.ulysses_size > 1),
+                                  ("actor.fsdp.param_offload", actor.fsdp.param_offload),
+                                  ("actor.fsdp.optimizer_offload", actor.fsdp.optimizer_offload)) if on]
 
 
 ENGINES: dict[str, EngineSpec] = {
     "fsdp": EngineSpec(layouts=_fsdp_layouts, meshes=("fsdp", "ulysses"), batch_layout="ulysses", build=_build_fsdp,
                        critic=True, lora=True),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
-                           whole_world=True, export_copy=True, ignored_flags=_megatron_ignored),
+                           export_copy=True, ignored_flags=_megatron_ignored),
 }
 
 

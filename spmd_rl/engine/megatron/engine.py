@@ -30,13 +30,18 @@ the optimizer, seeded from the loaded fp32 weights (not from their bf16 rounding
 ``MegatronEngine._main_params_from``); on CPU everything is fp32.
 
 ``compute_logprobs`` runs on every rank and broadcasts the last stage's log-probs over the pipeline
-group. ``state_dict`` is this rank's shards and AdamW state keyed by global rank, so a checkpoint
-resumes on the same world size and megatron layout only; ``export_weights`` gives the full HF-named
-weights on global rank 0, which the checkpoint keeps once for ``python -m spmd_rl.export``. The
-embedding's padding row gets no gradient (as HF's ``padding_idx``). ``offload`` / ``onload`` are
-no-ops. Tests: ``tests/test_megatron_parity.py`` (TP2, TP2+SP, PP2, TP2xPP2, PP2xVPP2, EP2 updates
+group. ``state_dict`` holds every weight, fp32 main weight and AdamW moment under its megatron name
+in the whole model with its full shape, as the rectangles this rank owns (:mod:`.reshard`), so DCP
+resumes a checkpoint on any other tp / pp / vpp / dp / ep layout; ``export_weights`` gives the full
+HF-named weights on global rank 0, which the checkpoint keeps once for ``python -m spmd_rl.export``.
+The embedding's padding row gets no gradient (as HF's ``padding_idx``). ``offload`` / ``onload``
+move the parameters and gradient buffers (``actor.megatron.param_offload``, ``ref.param_offload``)
+and the distributed optimizer's main weights and moments (``actor.megatron.optimizer_offload``) to
+host memory between phases and back, exactly (:mod:`.offload`). The groups are built over the
+global pool, also next to pools of other roles (:mod:`.groups`). Tests: ``tests/test_megatron_parity.py`` (TP2, TP2+SP, PP2, TP2xPP2, PP2xVPP2, EP2 updates
 against one process; log-probs against the FSDP engine; HF round trip), ``test_megatron_e2e.py``
-(torchrun run, exact resume, HF export) and ``test_megatron_bf16.py`` (the bf16 path emulated on
+(torchrun run, exact resume, HF export, a reward pool), ``test_megatron_state.py`` (offload, resume
+on other layouts) and ``test_megatron_bf16.py`` (the bf16 path emulated on
 CPU); ``bench/megatron_gpu_check.py`` compares it with the FSDP engine in bf16 on GPUs.
 """
 
@@ -55,10 +60,12 @@ from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.dims import MegatronLayout
 from spmd_rl.engine import packing
 from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
+from spmd_rl.engine.megatron import reshard
 from spmd_rl.engine.megatron.context import chunk_columns, sum_shares
 from spmd_rl.engine.megatron.convert import export_hf_weights, load_hf_weights
 from spmd_rl.engine.megatron.groups import init_model_parallel
 from spmd_rl.engine.megatron.model import ModelSpec, build_chunks, check_layout, transformer_config
+from spmd_rl.engine.megatron.offload import HostParking
 from spmd_rl.engine.megatron.vocab import vocab_parallel_logprobs
 from spmd_rl.models import check_sliding_window, load_causal_lm
 
@@ -102,7 +109,11 @@ class MegatronEngine:
         trust_remote_code: bool = False,
         pad_token_id: int = 0,
         seed: int = 0,
+        param_offload: bool | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
+        """``param_offload`` overrides ``megatron.param_offload`` (the reference follows
+        ``ref.param_offload``). ``group``: the actor pool's group (None = the world)."""
         if trainable and actor is None:
             raise ValueError("a trainable MegatronEngine needs the actor config section")
         from megatron.core import parallel_state as ps
@@ -110,6 +121,7 @@ class MegatronEngine:
         init_model_parallel(layout, seed=seed)
         self.device = device
         self.layout = layout
+        self.group = group
         self.trainable = trainable
         self.pad_token_id = pad_token_id
         self.on_gpu = device.type == "cuda"
@@ -149,6 +161,10 @@ class MegatronEngine:
 
         self.optimizer = None
         self.updates = 0
+        self.param_offload = megatron.param_offload if param_offload is None else param_offload
+        self.optimizer_offload = megatron.optimizer_offload and trainable
+        self._parked_params = HostParking(pin=self.on_gpu)
+        self._parked_optimizer = HostParking(pin=self.on_gpu)
         self.nonfinite = NonfiniteGuard(actor.skip_nonfinite_updates if actor is not None else 0)
         self.actor = actor
         self.total_updates = total_updates
@@ -163,6 +179,7 @@ class MegatronEngine:
             for chunk in chunks:
                 chunk.requires_grad_(False)
             self.model = chunks
+        self.offload()
 
     # ------------------------------------------------------------------ setup
     def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -192,9 +209,12 @@ class MegatronEngine:
         # (megatron-core >= 0.15); older releases take a no-weight-decay predicate instead
         import inspect
 
-        if "config_overrides" in inspect.signature(get_megatron_optimizer).parameters:
-            return get_megatron_optimizer(config, self.model, config_overrides={})
-        return get_megatron_optimizer(config, self.model, no_weight_decay_cond=lambda name, param: False)
+        from spmd_rl.engine.megatron.groups import world_of
+
+        with world_of(self.layout.size, self.group):  # it gathers its parameter groups over the "world"
+            if "config_overrides" in inspect.signature(get_megatron_optimizer).parameters:
+                return get_megatron_optimizer(config, self.model, config_overrides={})
+            return get_megatron_optimizer(config, self.model, no_weight_decay_cond=lambda name, param: False)
 
     @torch.no_grad()
     def _main_params_from(self, fp32_weights: dict[torch.nn.Parameter, torch.Tensor]) -> None:
@@ -210,12 +230,21 @@ class MegatronEngine:
         the bf16 grid), lr 2e-6: the megatron actor moved ~50x less per step than the FSDP one
         (kl_loss 0.0014 vs 0.13 after one step). Each main weight is this rank's shard (its range
         in the flattened parameter) of one model parameter."""
+        for opt, model_param, main_param in self._main_params():
+            start, end = _param_range(opt, model_param)
+            source = fp32_weights[model_param].reshape(-1)[start:end]
+            main_param.copy_(source.to(main_param.device, main_param.dtype))
+
+    def _main_params(self) -> Iterator[tuple[object, torch.nn.Parameter, torch.Tensor]]:
+        """``(distributed optimizer, model parameter, its main parameter)``: the main parameter is
+        this dp rank's range of the flattened parameter, fp32 (a copy for bf16 parameters, a view of
+        the parameter for fp32 ones), and the key of its AdamW state."""
+        assert self.optimizer is not None
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            for model_group, main_group in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
-                for model_param, main_param in zip(model_group, main_group):
-                    span = opt._get_model_param_range_map(model_param)["param"]
-                    source = fp32_weights[model_param].reshape(-1)[span.start:span.end]
-                    main_param.copy_(source.to(main_param.device, main_param.dtype))
+            for models, mains in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                                  (opt.model_fp32_groups, opt.shard_fp32_groups)):
+                for model_group, main_group in zip(models, mains):
+                    yield from ((opt, m, main) for m, main in zip(model_group, main_group))
 
     def _chunks(self) -> list[torch.nn.Module]:
         """The GPTModel of every chunk (under DDP / Float16Module wrappers)."""
@@ -326,6 +355,7 @@ class MegatronEngine:
                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs ``[B, T]`` (and entropy) of the batch's responses on every rank (computed on the
         last pipeline stage, broadcast over the pipeline group)."""
+        self.onload()
         for m in self.model:
             m.eval()
         grids, rows, width = self._grids(self.micro_batches(batch, micro_batch_size=micro_batch_size))
@@ -347,6 +377,7 @@ class MegatronEngine:
             dist.broadcast(logprobs, src=self.pp_ranks[-1], group=self.pp_group)
             if entropy is not None:
                 dist.broadcast(entropy, src=self.pp_ranks[-1], group=self.pp_group)
+        self.offload()
         return logprobs, entropy
 
     # ------------------------------------------------------------------ update
@@ -354,6 +385,7 @@ class MegatronEngine:
                          need_entropy_grad: bool) -> dict[str, float]:
         """One optimizer step over ``micro_batches``; returns grad_norm and lr (same on every rank)."""
         assert self.optimizer is not None and self.actor is not None, "reference engine cannot train"
+        self.onload(optimizer=True)  # the caller calls offload() after its last mini-batch
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -395,28 +427,49 @@ class MegatronEngine:
     @torch.no_grad()
     def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors, one conversion unit at a time, on every rank (collective)."""
+        self.onload()
         yield from export_hf_weights(self._chunks(), self.spec, self.hf_shapes,
                                      layers_per_chunk=self.layers_per_chunk, dtype=dtype)
+        self.offload()
 
     # ------------------------------------------------------------------ checkpoints
-    def _local_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's model shards and optimizer state, keyed by global rank: a checkpoint
-        resumes on the same world size and megatron layout."""
-        rank = dist.get_rank()
-        out = {f"rank{rank}/model/{c}/{name}": p.data
-               for c, chunk in enumerate(self.model) for name, p in chunk.named_parameters()}
+    def _layout_free(self) -> dict[str, object]:
+        """Every weight and AdamW tensor of this rank as :class:`~.reshard.Pieces` of the global
+        tensors (views: a DCP load fills them in place); see :mod:`.reshard`."""
+        from megatron.core import parallel_state as ps
+
+        spec, pp = self.spec, self.layout.pp
+        ep_rank, etp = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        etp_rank = ps.get_expert_tensor_parallel_rank()
+        model: dict[str, tuple] = {}
+        segs_of: dict[torch.nn.Parameter, list[reshard.Segment]] = {}
+        for chunk in self._chunks():
+            local_experts = spec.experts // self.layout.ep if spec.experts else 0
+            for name, p in chunk.named_parameters():
+                full = reshard.global_name(name, chunk, expert_offset=ep_rank * local_experts)
+                expert = ".local_experts." in full
+                tied_copy = spec.tied and pp > 1 and full == reshard.VOCAB_PARAMS[1]
+                segs = reshard.segments(full, p, tp_rank=etp_rank if expert else self.tp_rank,
+                                        tp_size=etp if expert else self.layout.tp, vocab=spec.vocab, gated=True,
+                                        tied_copy=tied_copy)
+                segs_of[p] = segs
+                data = self._parked_params.view(p.detach())
+                reshard.add_pieces(model, segs, data.reshape(-1), 0, p.numel(), prefix="")
+        state: dict[str, object] = {"weights": reshard.as_pieces(model)}  # not "model": the export reads that as HF names
         if self.optimizer is not None:
-            optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-            for k, opt in enumerate(optimizers):
-                inner = opt.optimizer
-                for g, group in enumerate(inner.param_groups):
-                    for i, param in enumerate(group["params"]):
-                        key = f"rank{rank}/optim/{k}/{g}/{i}"
-                        out[f"{key}/param"] = param.data
-                        for name, value in inner.state.get(param, {}).items():
-                            if isinstance(value, torch.Tensor):
-                                out[f"{key}/{name}"] = value
-        return out
+            optim: dict[str, tuple] = {}
+            for opt, model_param, main in self._main_params():
+                start, end = _param_range(opt, model_param)
+                tensors = {"param": main, **opt.optimizer.state[main]}
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    flat = self._parked_optimizer.view(self._parked_params.view(tensors[key].detach()))
+                    reshard.add_pieces(optim, segs_of[model_param], flat.reshape(-1), start, end, prefix=f"{key}/")
+            state["optim"] = reshard.as_pieces(optim)
+        return state
+
+    def _adam_steps(self) -> list[torch.Tensor]:
+        assert self.optimizer is not None
+        return [opt.optimizer.state[main]["step"] for opt, _, main in self._main_params()]
 
     def _ensure_optimizer_state(self) -> None:
         """Create AdamW state (a zero-lr step: weights unchanged) so a load has tensors to fill."""
@@ -424,6 +477,8 @@ class MegatronEngine:
         optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         if all(opt.optimizer.state for opt in optimizers):
             return
+        parked = (bool(self._parked_params.parked), bool(self._parked_optimizer.parked))
+        self.onload(optimizer=True)
         for opt in optimizers:
             for group in opt.optimizer.param_groups:
                 saved = group["lr"]
@@ -434,13 +489,19 @@ class MegatronEngine:
                 for p in group["params"]:
                     p.grad = None
                 group["lr"] = saved
+        self._park(params=parked[0], optimizer=parked[1])
 
     def state_dict(self) -> dict[str, object]:
-        """What a resume needs: this rank's model shards and AdamW state, the update count."""
+        """What a resume needs, on any layout: ``weights`` and ``optim`` (the fp32 main weights and
+        AdamW moments) as global tensors of which this rank holds its rectangles (see :mod:`.reshard`),
+        AdamW's step count and the update count. Offloaded tensors stay offloaded: their entries
+        are views of the host copies."""
         if self.optimizer is not None:
             self._ensure_optimizer_state()
-        state: dict[str, object] = {"tensors": self._local_tensors()}
+        state = self._layout_free()
         if self.optimizer is not None:
+            steps = self._adam_steps()
+            state["adam_step"] = torch.tensor([float(steps[0]) if steps else 0.0], dtype=torch.float64)
             state["scheduler"] = {"updates": self.updates}
         return state
 
@@ -462,13 +523,12 @@ class MegatronEngine:
         return out
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore what :meth:`state_dict` returned (DCP filled the tensors in place); model shards
-        are loaded into the parameters, and step counts back into AdamW's state."""
-        mine = self._local_tensors()
-        for key, value in state["tensors"].items():  # type: ignore[union-attr]
-            if value is not mine[key]:
-                mine[key].copy_(value)
+        """After DCP filled :meth:`state_dict`'s views in place (weights, main weights, moments, on the
+        device or in their host copies): AdamW's step count, the update count and this run's LR."""
         if self.optimizer is not None:
+            step = float(state["adam_step"][0])  # type: ignore[index]
+            for t in self._adam_steps():
+                t.fill_(step)
             self.updates = int(state["scheduler"]["updates"])  # type: ignore[index]
             for group in self.optimizer.param_groups:
                 group["lr"] = self.actor.lr * lr_lambda(  # type: ignore[union-attr]
@@ -476,11 +536,66 @@ class MegatronEngine:
                     schedule=self.actor.lr_schedule, min_ratio=self.actor.min_lr_ratio)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ memory between phases
+    def _param_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The parameters (megatron DDP's parameter buffers) and their gradient buffers (``main_grad``)."""
+        params = [p.detach() for chunk in self.model for p in chunk.parameters()]
+        grads = [p.main_grad for chunk in self.model for p in chunk.parameters() if hasattr(p, "main_grad")]
+        return params, grads
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """The distributed optimizer's fp32 main weights and AdamW moments on this engine's device
+        (not AdamW's step counts, kept on the host; not main weights that are views of the parameters)."""
+        if self.optimizer is None:
+            return []
+        params = {p.untyped_storage()._cdata for p in self._param_tensors()[0]}
+        out = []
+        for _, _, main in self._main_params():
+            for t in (main, *self._moments(main)):
+                if t.device.type == self.device.type and t.untyped_storage()._cdata not in params:
+                    out.append(t)
+        return out
+
+    def _moments(self, main: torch.Tensor) -> list[torch.Tensor]:
+        """AdamW's tensors (moments) of one main parameter."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            state = opt.optimizer.state.get(main)
+            if state is not None:
+                return [v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"]
+        return []
+
+    def _park(self, *, params: bool, optimizer: bool) -> None:
+        if optimizer and not self._parked_optimizer.parked:
+            self._parked_optimizer.park(self._optimizer_tensors(), keep=True)
+        if params and not self._parked_params.parked:
+            weights, grads = self._param_tensors()
+            self._parked_params.park(weights, keep=True)
+            self._parked_params.park(grads, keep=False)  # zeroed by the next update before use
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
     def offload(self) -> None:
-        """Parameter / optimizer offload is not implemented for the megatron engine (a no-op)."""
+        """Between phases: the parameters and their gradient buffers to host memory when
+        ``actor.megatron.param_offload`` (``ref.param_offload`` for the reference), the optimizer's
+        fp32 main weights and AdamW moments when ``actor.megatron.optimizer_offload``. Storages are
+        emptied and refilled in place (:mod:`.offload`): exact, and every view stays valid.
+        Idempotent; on CPU runs it does the same swap between host buffers (nothing is freed)."""
+        self._park(params=self.param_offload, optimizer=self.optimizer_offload)
 
     def onload(self, *, optimizer: bool = False) -> None:
-        """See :meth:`offload`."""
+        """Parameters (and gradient buffers) back on the device; the optimizer state too when
+        ``optimizer`` (only the update needs it). Idempotent."""
+        self._parked_params.unpark()
+        if optimizer:
+            self._parked_optimizer.unpark()
+
+
+def _param_range(opt, model_param: torch.nn.Parameter) -> tuple[int, int]:
+    """The range ``[start, end)`` of the flattened ``model_param`` that this data-parallel rank's
+    distributed optimizer owns, from its public range tables (``model_param_gbuf_map``: the
+    parameter's buffer, dtype and bucket; ``gbuf_ranges``: each bucket's ``param_map``)."""
+    gbuf, dtype, bucket = opt.model_param_gbuf_map[model_param]
+    span = opt.gbuf_ranges[gbuf][dtype][bucket]["param_map"][model_param]["param"]
+    return span.start, span.end
 
 
 class _PaddingRowFrozen:
