@@ -154,7 +154,9 @@ class FastDecoder:
         self.buckets = batch_buckets(max_batch)
         self.pad_token_id = int(pad_token_id)
         self.prefill_tokens = prefill_tokens
-        self.use_graphs = self.device.type == "cuda" and (moe is None or self.grouped_experts)
+        # grouped_mm's kernel is capturable in bf16 only: other dtypes run a fallback that reads the
+        # offsets on the host (measured: torch 2.11, H200), as the experts loop does
+        self.use_graphs = self.device.type == "cuda" and (moe is None or compile_moe)
         self.check_every = 4 if self.use_graphs else 1
         self.cache: torch.Tensor | None = None  # the full-length layers' K/V
         self.ring: torch.Tensor | None = None  # the windowed layers' K/V (window-sized)
