@@ -54,3 +54,16 @@ def _machine_share(request: pytest.FixtureRequest):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ---- the longest files first
+# ``--dist loadfile`` hands whole files to the two workers in collection order. Started last, a file
+# of several minutes (vLLM's subprocesses, the launchers' fault tests) would run alone at the end
+# while the other worker idles; started first, the short files fill in around it.
+LONG_FILES = ("test_vllm_rollout.py", "test_process_lifecycle.py", "test_slurm.py", "test_multinode.py",
+              "test_checkpoint.py", "test_pools.py", "test_lora.py", "test_train_e2e.py", "test_megatron_parity.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: the rest keep their order

@@ -25,7 +25,6 @@ BAD = [
     (LLAMA, dict(size=4, pp=2, vpp=4), "actor.megatron.pp (2) * actor.megatron.vpp (4) = 8 must divide the model's 4 layers"),
     (LLAMA, dict(size=2, ep=2), "actor.megatron.ep (2) > 1 needs a mixture-of-experts model; this one is dense"),
     (MIXTRAL, dict(size=8, ep=8), "actor.megatron.ep (8) must divide the model's 4 experts"),
-    (LLAMA, dict(size=2, cp=2), "actor.megatron.cp (2) > 1 needs TransformerEngine"),
 ]
 
 
@@ -43,6 +42,7 @@ def test_supported_models():
     assert (moe.experts, moe.top_k, moe.moe_ffn, moe.family) == (4, 2, 96, "mixtral")
     check_layout(moe, MegatronLayout(4, ep=4))
     check_layout(ModelSpec.from_hf(LLAMA), MegatronLayout(8, tp=2, pp=2, vpp=2))
+    check_layout(ModelSpec.from_hf(LLAMA), MegatronLayout(8, tp=2, cp=2, pp=2))  # cp: the engine's own attention
     with pytest.raises(ValueError, match=re.escape("actor.engine=megatron supports Hugging Face model types")):
         ModelSpec.from_hf(type("C", (), {"model_type": "gpt2"})())
 
