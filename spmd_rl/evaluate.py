@@ -19,7 +19,7 @@ folder, its ``checkpoints`` folder or one ``step_N``) when given. Decoding:
 
 A response counts as correct when the task's main scorer gives it full marks (the format bonus is
 not part of accuracy); accuracy and score are means over all answers, and the summary also holds
-``pass@k`` for k = 1, 2, 4, ... and val_n and ``mean@<val_n>`` (:mod:`spmd_rl.passk`). Rank 0
+``pass@k`` and ``mean@k`` for k = 1, 2, 4, ... and val_n (:mod:`spmd_rl.passk`). Rank 0
 prints the summary and writes it as JSON with ``--out``; ``--samples-out`` writes one JSON line per
 answer (prompt, completion, score, correct).
 """

@@ -1,17 +1,18 @@
-"""pass@k and mean@N of held-out answers, when ``trainer.val_n`` answers are sampled per prompt.
+"""pass@k and mean@k of held-out answers, when ``trainer.val_n`` answers are sampled per prompt.
 
     pass_at_k(n=8, c=3, k=2)                      # 1 - C(5, 2) / C(8, 2) = 0.642...
     sample_metrics([(0, True), (0, False), (1, False), (1, False)], prefix="val/")   # (prompt, correct) per answer
-    # {"val/pass@1": 0.25, "val/pass@2": 0.5, "val/mean@2": 0.25}
+    # {"val/pass@1": 0.25, "val/mean@1": 0.25, "val/pass@2": 0.5, "val/mean@2": 0.25}
 
 ``pass@k`` is the unbiased estimator of the chance that at least one of k answers is correct, from
 n >= k samples of which c are correct: ``1 - C(n - c, k) / C(n, k)`` (Chen et al. 2021), computed
 exactly with integers, averaged over prompts, for k = 1, 2, 4, ... below n and k = n itself (the
-k verl's validation metrics use). ``mean@N`` is verl's (``process_validation_metrics``): the mean
-accuracy of a prompt's N = ``val_n`` answers, averaged over prompts. verl logs it only at N, the
-number of answers: the mean of any k of them has the same expected value. With the same N for every
-prompt it equals ``val/accuracy``. A prompt with fewer answers than k (none in a validation run)
-is left out of pass@k for that k.
+k verl's validation metrics use). ``mean@k`` is the expected accuracy of k answers, averaged over
+prompts; its unbiased estimate from n answers is c / n whatever k is (by linearity, every k-subset's
+mean averages to it), so every ``mean@k`` equals verl's ``mean@N`` (``process_validation_metrics``,
+N = ``val_n``) and, with the same N for every prompt, ``val/accuracy``: the keys are there so that
+``pass@k`` and ``mean@k`` plot side by side, the gap between them being what sampling k answers buys.
+A prompt with fewer answers than k (none in a validation run) is left out of that k.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def ks_for(n: int) -> list[int]:
 
 
 def sample_metrics(answers: Iterable[tuple[int, bool]], *, prefix: str = "") -> dict[str, float]:
-    """``pass@k`` for every k of :func:`ks_for` (the largest answer count) and ``mean@N`` (N = the
-    largest answer count), averaged over the prompts of ``answers``: (prompt id, correct) per answer."""
+    """``pass@k`` and ``mean@k`` for every k of :func:`ks_for` (the largest answer count), averaged
+    over the prompts of ``answers``: (prompt id, correct) per answer."""
     correct: dict[int, list[bool]] = {}
     for prompt, ok in answers:
         correct.setdefault(prompt, []).append(bool(ok))
@@ -51,7 +52,7 @@ def sample_metrics(answers: Iterable[tuple[int, bool]], *, prefix: str = "") -> 
     out: dict[str, float] = {}
     for k in ks_for(n):
         values = [pass_at_k(len(v), sum(v), k) for v in correct.values() if len(v) >= k]
+        means = [sum(v) / len(v) for v in correct.values() if len(v) >= k]
         out[f"{prefix}pass@{k}"] = sum(values) / len(values)
-    means = [sum(v) / len(v) for v in correct.values()]
-    out[f"{prefix}mean@{n}"] = sum(means) / len(means)
+        out[f"{prefix}mean@{k}"] = sum(means) / len(means)
     return out

@@ -513,7 +513,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """``trainer.val_n`` answers per held-out prompt at ``trainer.val_temperature`` (default: one, greedy);
-        mean score and accuracy over all answers, pass@k and mean@N (spmd_rl.passk)."""
+        mean score and accuracy over all answers, pass@k and mean@k (spmd_rl.passk)."""
         if not self.val_samples:
             return {}
         self.sync_weights()

@@ -36,8 +36,9 @@ def test_ks_and_sample_metrics():
     assert ks_for(1) == [1] and ks_for(4) == [1, 2, 4] and ks_for(6) == [1, 2, 4, 6] and ks_for(8) == [1, 2, 4, 8]
     answers = [(0, True), (1, False), (0, False), (2, True), (1, False), (0, False), (2, True), (1, False), (2, True)]
     got = sample_metrics(answers, prefix="val/")  # any order
-    assert set(got) == {"val/pass@1", "val/pass@2", "val/pass@3", "val/mean@3"}
+    assert set(got) == {"val/pass@1", "val/pass@2", "val/pass@3", "val/mean@1", "val/mean@2", "val/mean@3"}
     assert got["val/pass@1"] == pytest.approx((1 / 3 + 0 + 1) / 3) == got["val/mean@3"]
+    assert got["val/mean@1"] == got["val/mean@2"] == got["val/mean@3"]
     assert got["val/pass@2"] == pytest.approx((2 / 3 + 0 + 1) / 3)
     assert got["val/pass@3"] == pytest.approx(2 / 3)
     assert sample_metrics([]) == {}

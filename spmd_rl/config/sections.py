@@ -331,7 +331,7 @@ class TrainerConfig:
     """Validate every N steps, plus before the first and after the last step (0 = never)."""
     val_n: int = 1
     """Answers sampled per held-out prompt at validation (and in `spmd_rl.evaluate`); with more than
-    one, `val/pass@k` (the unbiased estimator, k = 1, 2, 4, ... and val_n) and `val/mean@<val_n>` are
+    one, `val/pass@k` (the unbiased estimator) and `val/mean@k` for k = 1, 2, 4, ... and val_n are
     logged too (spmd_rl/passk.py). Needs `trainer.val_temperature` > 0."""
     val_temperature: float = 0.0
     """Temperature of validation generation (0 = greedy)."""
