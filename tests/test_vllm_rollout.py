@@ -135,7 +135,10 @@ def test_two_processes_under_torchrun(tmp_path: Path, tp: int) -> None:
 
 
 @needs_vllm
-def test_grpo_run_with_vllm_tp2_and_is_correction(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_run_with_vllm_tp2_and_is_correction(tmp_path: Path, lora: bool) -> None:
+    """vLLM is hot-swapped after every update; with LoRA it gets the merged weights (W + scale B A),
+    so its log-probs still match the actor's, adapters on."""
     out = tmp_path / "run"
     flags = [
         "--model.path", tiny_model_folder(None, layers=4, hidden=256),
@@ -146,6 +149,7 @@ def test_grpo_run_with_vllm_tp2_and_is_correction(tmp_path: Path) -> None:
         "--logging.wandb", "off", "--logging.no-console", "--trainer.val-every", "3",
         "--rollout.backend", "vllm", "--rollout.tp", "2", "--algo.rollout-is", "token_truncated",
         "--trainer.total-steps", "3", "--trainer.output-dir", str(out),
+        *(["--actor.lora.rank", "8", "--actor.lora.alpha", "16", "--actor.lr", "3e-2"] if lora else []),
     ]
     _run(_torchrun(2, "-m", "spmd_rl.train", *flags), _env())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
