@@ -97,17 +97,7 @@ class Trainer:
                 device=env.device, cache_dir=cfg.model.cache_dir)
         self.mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
         self.updates_per_step = self.mini_batches * cfg.actor.ppo_epochs
-        torch.manual_seed(cfg.trainer.seed)
-        engines = dict(actor=cfg.actor, ref=cfg.ref, model=cfg.model, seed=cfg.trainer.seed, groups=groups,
-                       model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
-                       total_updates=cfg.trainer.total_steps * self.updates_per_step, moe_aux_coef=cfg.algo.moe_aux_coef)
-        self.actor = build_engine("actor", **engines)
-        self.ref = (build_reference(self.actor, **engines)  # LoRA: the actor's base, adapters off
-                    if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward else None)
-        self.critic = build_critic(critic=cfg.critic, algo=cfg.algo, actor_tokenizer=self.tokenizer, engines=engines,
-                                   total_steps=cfg.trainer.total_steps, mini_batches=self.mini_batches,
-                                   sum_weight=self.place.sum_weight, group=self.group)  # PPO's value model, or None
-        self.teacher = self._teacher(groups)  # on-policy distillation (teacher.model.path), else None
+        self._build_engines(groups)  # actor, reference, critic, teacher
         self.link = groups.rollout_link  # the rollout pool (pools.rollout_ranks > 0), else None
         self.rollout = None if self.link else build_rollout_from_config(
             cfg.rollout, model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
@@ -135,6 +125,22 @@ class Trainer:
         self.checkpointer.check_writable(checkpoint_bytes(  # before the first step, not at the first save
             model_parameters(self.model_folder) * (2 if self.critic else 1),
             hf_copy=engine_spec(cfg.actor.engine).export_copy))
+
+    def _build_engines(self, groups: RunGroups) -> None:
+        """The actor, the frozen reference (when a KL needs it; with LoRA the actor's own base), PPO's
+        critic (``algo.adv_estimator=gae``) and the distillation teacher, each None when off."""
+        cfg = self.cfg
+        torch.manual_seed(cfg.trainer.seed)
+        engines = dict(actor=cfg.actor, ref=cfg.ref, model=cfg.model, seed=cfg.trainer.seed, groups=groups,
+                       model_folder=self.model_folder, device=self.env.device, pad_token_id=self.pad_id,
+                       total_updates=cfg.trainer.total_steps * self.updates_per_step, moe_aux_coef=cfg.algo.moe_aux_coef)
+        self.actor = build_engine("actor", **engines)
+        self.ref = (build_reference(self.actor, **engines)  # LoRA: the actor's base, adapters off
+                    if cfg.algo.use_kl_loss or cfg.algo.kl_in_reward else None)
+        self.critic = build_critic(critic=cfg.critic, algo=cfg.algo, actor_tokenizer=self.tokenizer, engines=engines,
+                                   total_steps=cfg.trainer.total_steps, mini_batches=self.mini_batches,
+                                   sum_weight=self.place.sum_weight, group=self.group)
+        self.teacher = self._teacher(groups)  # on-policy distillation (teacher.model.path)
 
     def _teacher(self, groups: RunGroups):
         """The teacher's log-probs: a frozen FSDP engine on the actor's mesh, or the teacher pool's link."""
