@@ -41,8 +41,11 @@ RULES = [
     (["--teacher.model.path", "tiny-random"], 1,
      "teacher.model.path=tiny-random is set but algo.distill_coef is 0, so the teacher would score for nothing"),
     (["--teacher.model.path", "tiny-random", "--algo.distill-coef", "0.1", "--actor.engine", "megatron"], 1,
-     "a colocated teacher runs under FSDP on the actor's mesh, which actor.engine=megatron does not build: give it "
-     "ranks of its own (--pools.teacher-ranks N) or use --actor.engine fsdp"),
+     "a colocated teacher runs under FSDP on the actor's mesh, which actor.engine=megatron does not build: "
+     "use --actor.engine fsdp"),
+    (["--actor.engine", "megatron", "--pools.rollout-ranks", "2", "--data.train-batch-size", "8"], 4,
+     "actor.engine=megatron runs next to a pool of its own only for reward, not beside pools.rollout_ranks=2: set "
+     "--pools.rollout-ranks 0 (those roles then run colocated) or use --actor.engine fsdp"),
     (["--pools.rollout-ranks", "3", "--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "8"], 4,
      "data.train_batch_size (8) must be divisible by the rollout data-parallel size (3) = rollout pool size (3) / "
      "(rollout.tp (1) * rollout.pp (1))"),

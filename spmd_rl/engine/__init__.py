@@ -50,8 +50,8 @@ class EngineSpec:
     value model's."""
     critic: bool = False
     """It builds PPO's critic (``role="critic"``: a value model; ``algo.adv_estimator=gae``)."""
-    whole_world: bool = False
-    """Its groups are built over the whole world, so no rank may be in another pool."""
+    beside_pools: tuple[str, ...] = ("rollout", "teacher", "reward")
+    """The pools of other roles it may run next to (``pools.<role>_ranks`` > 0)."""
     export_copy: bool = False
     """Its checkpoints also hold a full HF-named copy of the weights (``export_weights`` is not empty)."""
     ignored_flags: Callable[[ActorConfig], list[str]] = field(default=lambda actor: [])
@@ -127,7 +127,8 @@ ENGINES: dict[str, EngineSpec] = {
     "fsdp": EngineSpec(layouts=_fsdp_layouts, meshes=("fsdp", "ulysses"), batch_layout="ulysses", build=_build_fsdp,
                        critic=True, lora=True),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
-                           export_copy=True, ignored_flags=_megatron_ignored),
+                           export_copy=True, ignored_flags=_megatron_ignored,
+                           beside_pools=("reward",)),  # a rollout or teacher pool beside it: not yet tested
 }
 
 
