@@ -60,12 +60,12 @@ from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.dims import MegatronLayout
 from spmd_rl.engine import packing
 from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
-from spmd_rl.engine.megatron import reshard
 from spmd_rl.engine.megatron.context import chunk_columns, sum_shares
 from spmd_rl.engine.megatron.convert import export_hf_weights, load_hf_weights
 from spmd_rl.engine.megatron.groups import init_model_parallel
 from spmd_rl.engine.megatron.model import ModelSpec, build_chunks, check_layout, transformer_config
-from spmd_rl.engine.megatron.offload import HostParking
+from spmd_rl.engine.megatron.offload import HostParking, MegatronOffload
+from spmd_rl.engine.megatron.reshard import MegatronCheckpointing, param_range
 from spmd_rl.engine.megatron.vocab import vocab_parallel_logprobs
 from spmd_rl.models import check_sliding_window, load_causal_lm
 
@@ -93,7 +93,7 @@ def batch_p2p_comm_for(layout: MegatronLayout) -> bool:
     return not (layout.pp == 2 and layout.vpp > 1)
 
 
-class MegatronEngine:
+class MegatronEngine(MegatronCheckpointing, MegatronOffload):
     """Actor (trainable) or reference (frozen) model on megatron-core."""
 
     def __init__(
@@ -231,7 +231,7 @@ class MegatronEngine:
         (kl_loss 0.0014 vs 0.13 after one step). Each main weight is this rank's shard (its range
         in the flattened parameter) of one model parameter."""
         for opt, model_param, main_param in self._main_params():
-            start, end = _param_range(opt, model_param)
+            start, end = param_range(opt, model_param)
             source = fp32_weights[model_param].reshape(-1)[start:end]
             main_param.copy_(source.to(main_param.device, main_param.dtype))
 
@@ -431,171 +431,6 @@ class MegatronEngine:
         yield from export_hf_weights(self._chunks(), self.spec, self.hf_shapes,
                                      layers_per_chunk=self.layers_per_chunk, dtype=dtype)
         self.offload()
-
-    # ------------------------------------------------------------------ checkpoints
-    def _layout_free(self) -> dict[str, object]:
-        """Every weight and AdamW tensor of this rank as :class:`~.reshard.Pieces` of the global
-        tensors (views: a DCP load fills them in place); see :mod:`.reshard`."""
-        from megatron.core import parallel_state as ps
-
-        spec, pp = self.spec, self.layout.pp
-        ep_rank, etp = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-        etp_rank = ps.get_expert_tensor_parallel_rank()
-        model: dict[str, tuple] = {}
-        segs_of: dict[torch.nn.Parameter, list[reshard.Segment]] = {}
-        for chunk in self._chunks():
-            local_experts = spec.experts // self.layout.ep if spec.experts else 0
-            for name, p in chunk.named_parameters():
-                full = reshard.global_name(name, chunk, expert_offset=ep_rank * local_experts)
-                expert = ".local_experts." in full
-                tied_copy = spec.tied and pp > 1 and full == reshard.VOCAB_PARAMS[1]
-                segs = reshard.segments(full, p, tp_rank=etp_rank if expert else self.tp_rank,
-                                        tp_size=etp if expert else self.layout.tp, vocab=spec.vocab, gated=True,
-                                        tied_copy=tied_copy)
-                segs_of[p] = segs
-                data = self._parked_params.view(p.detach())
-                reshard.add_pieces(model, segs, data.reshape(-1), 0, p.numel(), prefix="")
-        state: dict[str, object] = {"weights": reshard.as_pieces(model)}  # not "model": the export reads that as HF names
-        if self.optimizer is not None:
-            optim: dict[str, tuple] = {}
-            for opt, model_param, main in self._main_params():
-                start, end = _param_range(opt, model_param)
-                tensors = {"param": main, **opt.optimizer.state[main]}
-                for key in ("param", "exp_avg", "exp_avg_sq"):
-                    flat = self._parked_optimizer.view(self._parked_params.view(tensors[key].detach()))
-                    reshard.add_pieces(optim, segs_of[model_param], flat.reshape(-1), start, end, prefix=f"{key}/")
-            state["optim"] = reshard.as_pieces(optim)
-        return state
-
-    def _adam_steps(self) -> list[torch.Tensor]:
-        assert self.optimizer is not None
-        return [opt.optimizer.state[main]["step"] for opt, _, main in self._main_params()]
-
-    def _ensure_optimizer_state(self) -> None:
-        """Create AdamW state (a zero-lr step: weights unchanged) so a load has tensors to fill."""
-        assert self.optimizer is not None
-        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        if all(opt.optimizer.state for opt in optimizers):
-            return
-        parked = (bool(self._parked_params.parked), bool(self._parked_optimizer.parked))
-        self.onload(optimizer=True)
-        for opt in optimizers:
-            for group in opt.optimizer.param_groups:
-                saved = group["lr"]
-                group["lr"] = 0.0
-                for p in group["params"]:
-                    p.grad = torch.zeros_like(p)
-                opt.optimizer.step()
-                for p in group["params"]:
-                    p.grad = None
-                group["lr"] = saved
-        self._park(params=parked[0], optimizer=parked[1])
-
-    def state_dict(self) -> dict[str, object]:
-        """What a resume needs, on any layout: ``weights`` and ``optim`` (the fp32 main weights and
-        AdamW moments) as global tensors of which this rank holds its rectangles (see :mod:`.reshard`),
-        AdamW's step count and the update count. Offloaded tensors stay offloaded: their entries
-        are views of the host copies."""
-        if self.optimizer is not None:
-            self._ensure_optimizer_state()
-        state = self._layout_free()
-        if self.optimizer is not None:
-            steps = self._adam_steps()
-            state["adam_step"] = torch.tensor([float(steps[0]) if steps else 0.0], dtype=torch.float64)
-            state["scheduler"] = {"updates": self.updates}
-        return state
-
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """The actor's full HF-named weights for ``spmd_rl.export`` (see :meth:`_hf_copy`); the
-        reference saves nothing."""
-        return self._hf_copy() if self.optimizer is not None else {}
-
-    def _hf_copy(self) -> dict[str, torch.Tensor]:
-        """The full HF-named weights for ``python -m spmd_rl.export`` (which reads checkpoints in one
-        process, with no megatron layout): streamed over every rank (collective), kept on the CPU of
-        global rank 0 only, so the checkpoint holds them once. The model's own dtype: fp32 on CPU,
-        the bf16 compute weights on GPU."""
-        keep = dist.get_rank() == 0
-        out = {}
-        for name, tensor in self.named_full_tensors():
-            if keep:
-                out[name] = tensor.detach().to("cpu", copy=True)
-        return out
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        """After DCP filled :meth:`state_dict`'s views in place (weights, main weights, moments, on the
-        device or in their host copies): AdamW's step count, the update count and this run's LR."""
-        if self.optimizer is not None:
-            step = float(state["adam_step"][0])  # type: ignore[index]
-            for t in self._adam_steps():
-                t.fill_(step)
-            self.updates = int(state["scheduler"]["updates"])  # type: ignore[index]
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.actor.lr * lr_lambda(  # type: ignore[union-attr]
-                    self.updates, warmup=self.actor.warmup_steps, total=self.total_updates,  # type: ignore[union-attr]
-                    schedule=self.actor.lr_schedule, min_ratio=self.actor.min_lr_ratio)  # type: ignore[union-attr]
-
-    # ------------------------------------------------------------------ memory between phases
-    def _param_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The parameters (megatron DDP's parameter buffers) and their gradient buffers (``main_grad``)."""
-        params = [p.detach() for chunk in self.model for p in chunk.parameters()]
-        grads = [p.main_grad for chunk in self.model for p in chunk.parameters() if hasattr(p, "main_grad")]
-        return params, grads
-
-    def _optimizer_tensors(self) -> list[torch.Tensor]:
-        """The distributed optimizer's fp32 main weights and AdamW moments on this engine's device
-        (not AdamW's step counts, kept on the host; not main weights that are views of the parameters)."""
-        if self.optimizer is None:
-            return []
-        params = {p.untyped_storage()._cdata for p in self._param_tensors()[0]}
-        out = []
-        for _, _, main in self._main_params():
-            for t in (main, *self._moments(main)):
-                if t.device.type == self.device.type and t.untyped_storage()._cdata not in params:
-                    out.append(t)
-        return out
-
-    def _moments(self, main: torch.Tensor) -> list[torch.Tensor]:
-        """AdamW's tensors (moments) of one main parameter."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            state = opt.optimizer.state.get(main)
-            if state is not None:
-                return [v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"]
-        return []
-
-    def _park(self, *, params: bool, optimizer: bool) -> None:
-        if optimizer and not self._parked_optimizer.parked:
-            self._parked_optimizer.park(self._optimizer_tensors(), keep=True)
-        if params and not self._parked_params.parked:
-            weights, grads = self._param_tensors()
-            self._parked_params.park(weights, keep=True)
-            self._parked_params.park(grads, keep=False)  # zeroed by the next update before use
-        if self.on_gpu:
-            torch.cuda.empty_cache()
-
-    def offload(self) -> None:
-        """Between phases: the parameters and their gradient buffers to host memory when
-        ``actor.megatron.param_offload`` (``ref.param_offload`` for the reference), the optimizer's
-        fp32 main weights and AdamW moments when ``actor.megatron.optimizer_offload``. Storages are
-        emptied and refilled in place (:mod:`.offload`): exact, and every view stays valid.
-        Idempotent; on CPU runs it does the same swap between host buffers (nothing is freed)."""
-        self._park(params=self.param_offload, optimizer=self.optimizer_offload)
-
-    def onload(self, *, optimizer: bool = False) -> None:
-        """Parameters (and gradient buffers) back on the device; the optimizer state too when
-        ``optimizer`` (only the update needs it). Idempotent."""
-        self._parked_params.unpark()
-        if optimizer:
-            self._parked_optimizer.unpark()
-
-
-def _param_range(opt, model_param: torch.nn.Parameter) -> tuple[int, int]:
-    """The range ``[start, end)`` of the flattened ``model_param`` that this data-parallel rank's
-    distributed optimizer owns, from its public range tables (``model_param_gbuf_map``: the
-    parameter's buffer, dtype and bucket; ``gbuf_ranges``: each bucket's ``param_map``)."""
-    gbuf, dtype, bucket = opt.model_param_gbuf_map[model_param]
-    span = opt.gbuf_ranges[gbuf][dtype][bucket]["param_map"][model_param]["param"]
-    return span.start, span.end
 
 
 class _PaddingRowFrozen:

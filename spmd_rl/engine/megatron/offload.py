@@ -11,7 +11,8 @@ A storage is parked once however many tensors view it (deduplicated by the stora
 copies are allocated (pinned on GPU) at the first park and reused by the next ones, so a cycle costs
 two copies and no pinning. On CPU runs the same swap happens between two host storages: nothing is
 gained there, but the code path (every tensor unusable while parked, restored bit for bit) is the
-one GPU runs take, which is what the tests check.
+one GPU runs take, which is what the tests check. :class:`MegatronOffload` holds the engine's
+``offload`` / ``onload`` built on two parkings (parameters with their gradients; the optimizer).
 """
 
 from __future__ import annotations
@@ -90,3 +91,60 @@ def _storages(tensors: Iterable[torch.Tensor]) -> Iterable[torch.UntypedStorage]
     for t in tensors:
         if t is not None:
             yield t.untyped_storage()
+
+
+class MegatronOffload:
+    """The offload methods of :class:`~spmd_rl.engine.megatron.engine.MegatronEngine` (a mixin:
+    they read its model chunks, distributed optimizer and its two :class:`HostParking`)."""
+
+    def _param_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The parameters (megatron DDP's parameter buffers) and their gradient buffers (``main_grad``)."""
+        params = [p.detach() for chunk in self.model for p in chunk.parameters()]
+        grads = [p.main_grad for chunk in self.model for p in chunk.parameters() if hasattr(p, "main_grad")]
+        return params, grads
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """The distributed optimizer's fp32 main weights and AdamW moments on this engine's device
+        (not AdamW's step counts, kept on the host; not main weights that are views of the parameters)."""
+        if self.optimizer is None:
+            return []
+        params = {p.untyped_storage()._cdata for p in self._param_tensors()[0]}
+        out = []
+        for _, _, main in self._main_params():
+            for t in (main, *self._moments(main)):
+                if t.device.type == self.device.type and t.untyped_storage()._cdata not in params:
+                    out.append(t)
+        return out
+
+    def _moments(self, main: torch.Tensor) -> list[torch.Tensor]:
+        """AdamW's tensors (moments) of one main parameter."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            state = opt.optimizer.state.get(main)
+            if state is not None:
+                return [v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"]
+        return []
+
+    def _park(self, *, params: bool, optimizer: bool) -> None:
+        if optimizer and not self._parked_optimizer.parked:
+            self._parked_optimizer.park(self._optimizer_tensors(), keep=True)
+        if params and not self._parked_params.parked:
+            weights, grads = self._param_tensors()
+            self._parked_params.park(weights, keep=True)
+            self._parked_params.park(grads, keep=False)  # zeroed by the next update before use
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
+    def offload(self) -> None:
+        """Between phases: the parameters and their gradient buffers to host memory when
+        ``actor.megatron.param_offload`` (``ref.param_offload`` for the reference), the optimizer's
+        fp32 main weights and AdamW moments when ``actor.megatron.optimizer_offload``. Storages are
+        emptied and refilled in place (:mod:`.offload`): exact, and every view stays valid.
+        Idempotent; on CPU runs it does the same swap between host buffers (nothing is freed)."""
+        self._park(params=self.param_offload, optimizer=self.optimizer_offload)
+
+    def onload(self, *, optimizer: bool = False) -> None:
+        """Parameters (and gradient buffers) back on the device; the optimizer state too when
+        ``optimizer`` (only the update needs it). Idempotent."""
+        self._parked_params.unpark()
+        if optimizer:
+            self._parked_optimizer.unpark()

@@ -26,6 +26,9 @@ A rectangle set is a :class:`Pieces`: a tensor subclass with no data of its own 
 three hooks DCP calls on DTensors (``__create_write_items__``, ``__create_chunk_list__``,
 ``__get_tensor_shard__``), its rectangles being views into the real tensors: a load writes them in
 place.
+
+:class:`MegatronCheckpointing` holds the engine's checkpoint methods (``state_dict``,
+``load_state_dict``, ``export_weights``) built on these pieces.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -46,6 +50,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+
+from spmd_rl.engine.base import lr_lambda
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -165,3 +171,122 @@ def add_pieces(out: dict[str, tuple[tuple[int, int], list]], segs: list[Segment]
 
 def as_pieces(out: dict[str, tuple[tuple[int, int], list]]) -> dict[str, Pieces]:
     return {key: Pieces(shape, pieces) for key, (shape, pieces) in out.items()}
+
+
+# --------------------------------------------------------------------------- the engine's checkpoints
+
+
+class MegatronCheckpointing:
+    """The checkpoint methods of :class:`~spmd_rl.engine.megatron.engine.MegatronEngine` (a mixin:
+    they read its model chunks, distributed optimizer, layout, update count and host copies)."""
+
+    def _layout_free(self) -> dict[str, object]:
+        """Every weight and AdamW tensor of this rank as :class:`Pieces` of the global tensors
+        (views: a DCP load fills them in place); see the module docstring."""
+        from megatron.core import parallel_state as ps
+
+        spec, pp = self.spec, self.layout.pp
+        ep_rank, etp = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        etp_rank = ps.get_expert_tensor_parallel_rank()
+        model: dict[str, tuple] = {}
+        segs_of: dict[torch.nn.Parameter, list[Segment]] = {}
+        for chunk in self._chunks():
+            local_experts = spec.experts // self.layout.ep if spec.experts else 0
+            for name, p in chunk.named_parameters():
+                full = global_name(name, chunk, expert_offset=ep_rank * local_experts)
+                expert = ".local_experts." in full
+                tied_copy = spec.tied and pp > 1 and full == VOCAB_PARAMS[1]
+                segs = segments(full, p, tp_rank=etp_rank if expert else self.tp_rank,
+                                tp_size=etp if expert else self.layout.tp, vocab=spec.vocab, gated=True,
+                                tied_copy=tied_copy)
+                segs_of[p] = segs
+                data = self._parked_params.view(p.detach())
+                add_pieces(model, segs, data.reshape(-1), 0, p.numel(), prefix="")
+        state: dict[str, object] = {"weights": as_pieces(model)}  # not "model": the export reads that as HF names
+        if self.optimizer is not None:
+            optim: dict[str, tuple] = {}
+            for opt, model_param, main in self._main_params():
+                start, end = param_range(opt, model_param)
+                tensors = {"param": main, **opt.optimizer.state[main]}
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    flat = self._parked_optimizer.view(self._parked_params.view(tensors[key].detach()))
+                    add_pieces(optim, segs_of[model_param], flat.reshape(-1), start, end, prefix=f"{key}/")
+            state["optim"] = as_pieces(optim)
+        return state
+
+    def _adam_steps(self) -> list[torch.Tensor]:
+        assert self.optimizer is not None
+        return [opt.optimizer.state[main]["step"] for opt, _, main in self._main_params()]
+
+    def _ensure_optimizer_state(self) -> None:
+        """Create AdamW state (a zero-lr step: weights unchanged) so a load has tensors to fill."""
+        assert self.optimizer is not None
+        optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        if all(opt.optimizer.state for opt in optimizers):
+            return
+        parked = (bool(self._parked_params.parked), bool(self._parked_optimizer.parked))
+        self.onload(optimizer=True)
+        for opt in optimizers:
+            for group in opt.optimizer.param_groups:
+                saved = group["lr"]
+                group["lr"] = 0.0
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+                opt.optimizer.step()
+                for p in group["params"]:
+                    p.grad = None
+                group["lr"] = saved
+        self._park(params=parked[0], optimizer=parked[1])
+
+    def state_dict(self) -> dict[str, object]:
+        """What a resume needs, on any layout: ``weights`` and ``optim`` (the fp32 main weights and
+        AdamW moments) as global tensors of which this rank holds its rectangles (see :mod:`.reshard`),
+        AdamW's step count and the update count. Offloaded tensors stay offloaded: their entries
+        are views of the host copies."""
+        if self.optimizer is not None:
+            self._ensure_optimizer_state()
+        state = self._layout_free()
+        if self.optimizer is not None:
+            steps = self._adam_steps()
+            state["adam_step"] = torch.tensor([float(steps[0]) if steps else 0.0], dtype=torch.float64)
+            state["scheduler"] = {"updates": self.updates}
+        return state
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's full HF-named weights for ``spmd_rl.export`` (see :meth:`_hf_copy`); the
+        reference saves nothing."""
+        return self._hf_copy() if self.optimizer is not None else {}
+
+    def _hf_copy(self) -> dict[str, torch.Tensor]:
+        """The full HF-named weights for ``python -m spmd_rl.export`` (which reads checkpoints in one
+        process, with no megatron layout): streamed over every rank (collective), kept on the CPU of
+        global rank 0 only, so the checkpoint holds them once. The model's own dtype: fp32 on CPU,
+        the bf16 compute weights on GPU."""
+        keep = dist.get_rank() == 0
+        out = {}
+        for name, tensor in self.named_full_tensors():
+            if keep:
+                out[name] = tensor.detach().to("cpu", copy=True)
+        return out
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """After DCP filled :meth:`state_dict`'s views in place (weights, main weights, moments, on the
+        device or in their host copies): AdamW's step count, the update count and this run's LR."""
+        if self.optimizer is not None:
+            step = float(state["adam_step"][0])  # type: ignore[index]
+            for t in self._adam_steps():
+                t.fill_(step)
+            self.updates = int(state["scheduler"]["updates"])  # type: ignore[index]
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.actor.lr * lr_lambda(  # type: ignore[union-attr]
+                    self.updates, warmup=self.actor.warmup_steps, total=self.total_updates,  # type: ignore[union-attr]
+                    schedule=self.actor.lr_schedule, min_ratio=self.actor.min_lr_ratio)  # type: ignore[union-attr]
+
+
+def param_range(opt, model_param: torch.nn.Parameter) -> tuple[int, int]:
+    """The range ``[start, end)`` of the flattened ``model_param`` that this data-parallel rank's
+    distributed optimizer owns, from its public range tables (``model_param_gbuf_map``: the
+    parameter's buffer, dtype and bucket; ``gbuf_ranges``: each bucket's ``param_map``)."""
+    gbuf, dtype, bucket = opt.model_param_gbuf_map[model_param]
+    span = opt.gbuf_ranges[gbuf][dtype][bucket]["param_map"][model_param]["param"]
+    return span.start, span.end
