@@ -68,6 +68,24 @@ def test_reward_pool_tables_and_json() -> None:
     assert d["ranks"][3]["reward"] == {"fsdp": {"ddp": 0, "fsdp": 0}}
 
 
+def test_megatron_beside_a_rollout_pool() -> None:
+    """megatron tp 2 on the actor pool (global ranks 0-7), the built-in rollout dp 8 on the rollout pool (8-15)."""
+    args = ["--world-size", "16", "--nproc-per-node", "8", "--actor.engine", "megatron", "--actor.megatron.tp", "2",
+            "--pools.rollout-ranks", "8", "--data.train-batch-size", "8"]
+    out = run_layout(*args)
+    assert out.returncode == 0, out.stderr
+    assert "pools: global = global ranks 0..7 (8); rollout = global ranks 8..15 (8)" in out.stdout
+    d = json.loads(run_layout(*args, "--json").stdout)
+    g = d["groups"]
+    assert g["megatron.tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and g["megatron.dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["rollout.dp"] == [list(range(8, 16))] and g["rollout.tp"] == [[r] for r in range(8, 16)]
+    assert d["actor_dp_size"] == 4 and d["rollout_dp_size"] == 8
+    r9 = d["ranks"][9]
+    assert r9["pools"] == {"rollout": 1} and r9["megatron"] is None and r9["rollout"] == {"dp": 1, "pp": 0, "tp": 0}
+    assert (r9["node"], r9["gpu"]) == (1, 1)
+    assert d["ranks"][3]["megatron"]["tp"] == 1 and d["ranks"][3]["rollout"] is None
+
+
 def test_bad_layout_exits_with_the_plan_message() -> None:
     out = run_layout("--world-size", "6", "--rollout.tp", "4")
     assert out.returncode != 0

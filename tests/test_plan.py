@@ -41,11 +41,8 @@ RULES = [
     (["--teacher.model.path", "tiny-random"], 1,
      "teacher.model.path=tiny-random is set but algo.distill_coef is 0, so the teacher would score for nothing"),
     (["--teacher.model.path", "tiny-random", "--algo.distill-coef", "0.1", "--actor.engine", "megatron"], 1,
-     "a colocated teacher runs under FSDP on the actor's mesh, which actor.engine=megatron does not build: "
-     "use --actor.engine fsdp"),
-    (["--actor.engine", "megatron", "--pools.rollout-ranks", "2", "--data.train-batch-size", "8"], 4,
-     "actor.engine=megatron runs next to a pool of its own only for reward, not beside pools.rollout_ranks=2: set "
-     "--pools.rollout-ranks 0 (those roles then run colocated) or use --actor.engine fsdp"),
+     "a colocated teacher runs under FSDP on the actor's mesh, which actor.engine=megatron does not build: give it "
+     "ranks of its own (--pools.teacher-ranks N) or use --actor.engine fsdp"),
     (["--pools.rollout-ranks", "3", "--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "8"], 4,
      "data.train_batch_size (8) must be divisible by the rollout data-parallel size (3) = rollout pool size (3) / "
      "(rollout.tp (1) * rollout.pp (1))"),
@@ -128,3 +125,15 @@ def test_actor_batch_view_is_the_engines() -> None:
     # tp 0 of the last stage counts: megatron's order tp-cp-ep-dp-pp puts pp last (ranks 4..7 are stage 1)
     assert [r for r in range(8) if mega.counts_in_sums(r)] == [4, 6]
     assert [mega.dp_rank(r) for r in (4, 6)] == [0, 1]
+
+
+def test_megatron_plans_beside_rollout_teacher_and_reward_pools() -> None:
+    """The megatron engine's layout covers the global pool only; the other roles' pools follow it."""
+    cfg = load_config(["--actor.engine", "megatron", "--actor.megatron.tp", "2", "--pools.rollout-ranks", "2",
+                       "--pools.teacher-ranks", "1", "--teacher.model.path", "tiny-random", "--algo.distill-coef", "0.1",
+                       "--pools.reward-ranks", "1", *RM, "--data.train-batch-size", "8"])
+    p = plan(cfg, 8)
+    assert [(s.name, s.start, s.size) for s in p.pools] == [("global", 0, 4), ("rollout", 4, 2), ("teacher", 6, 1),
+                                                           ("reward", 7, 1)]
+    assert p.megatron is not None and p.megatron.size == 4 and p.dp_size == 2
+    assert p.rollout_pool.name == "rollout" and p.rollout_dp_size == 2

@@ -192,9 +192,8 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
     reward_fsdp = FsdpLayout(reward.size, -1, pool=REWARD) if reward else None
     teacher_fsdp = FsdpLayout(teacher.size, -1, pool=TEACHER) if teacher else None
 
-    _check_pools(cfg, by_name, engine_pools=engine.beside_pools, backend_whole_world=backend.whole_world)
-    _check_teacher(cfg, separate=teacher is not None, engine_meshes=engine.meshes,
-                   teacher_pool=TEACHER in engine.beside_pools)
+    _check_pools(cfg, by_name, backend_whole_world=backend.whole_world)
+    _check_teacher(cfg, separate=teacher is not None, engine_meshes=engine.meshes)
     warnings = list(engine.warnings(cfg.actor)) + _check_critic(cfg, engine_builds_critic=engine.critic)
     if cfg.trainer.max_staleness > 0:
         if ROLLOUT not in by_name:
@@ -293,8 +292,7 @@ def _check_dapo(cfg: Config) -> None:
                          f"penalty falls from 0 at max_new_tokens - buffer to -reward.overlong_factor at max_new_tokens")
 
 
-def _check_pools(cfg: Config, pools: dict[str, PoolSpec], *, engine_pools: tuple[str, ...],
-                 backend_whole_world: bool) -> None:
+def _check_pools(cfg: Config, pools: dict[str, PoolSpec], *, backend_whole_world: bool) -> None:
     """Which roles may have pools of their own."""
     own = {name: spec for name, spec in pools.items() if name != GLOBAL}
     if REWARD in own and cfg.reward.model.path is None:
@@ -307,21 +305,13 @@ def _check_pools(cfg: Config, pools: dict[str, PoolSpec], *, engine_pools: tuple
         return
     flags = ", ".join(f"pools.{name}_ranks={spec.size}" for name, spec in own.items())
     resets = " ".join(f"--pools.{name}-ranks 0" for name in own)
-    refused = [name for name in own if name not in engine_pools]
-    if refused:
-        names = ", ".join(f"pools.{name}_ranks={own[name].size}" for name in refused)
-        raise ValueError(
-            f"actor.engine={cfg.actor.engine} runs next to a pool of its own only for "
-            f"{', '.join(engine_pools) or 'no role'}, not beside {names}: set "
-            f"{' '.join(f'--pools.{name}-ranks 0' for name in refused)} (those roles then run colocated) "
-            f"or use --actor.engine fsdp")
     if backend_whole_world:
         raise ValueError(
             f"rollout.backend={cfg.rollout.backend} lays its groups over the whole world, so every rank must be in "
             f"the global pool ({flags}): set {resets} or use --rollout.backend native")
 
 
-def _check_teacher(cfg: Config, *, separate: bool, engine_meshes: tuple[str, ...], teacher_pool: bool) -> None:
+def _check_teacher(cfg: Config, *, separate: bool, engine_meshes: tuple[str, ...]) -> None:
     """A teacher needs a use, and a colocated one the FSDP mesh it shares with the actor."""
     has_teacher, coef = cfg.teacher.model.path is not None, cfg.algo.distill_coef
     if coef > 0 and not has_teacher:
@@ -331,9 +321,9 @@ def _check_teacher(cfg: Config, *, separate: bool, engine_meshes: tuple[str, ...
         raise ValueError(f"teacher.model.path={cfg.teacher.model.path} is set but algo.distill_coef is 0, so the "
                          f"teacher would score for nothing: set --algo.distill-coef (e.g. 0.1) or unset the teacher")
     if has_teacher and not separate and "fsdp" not in engine_meshes:
-        own = "give it ranks of its own (--pools.teacher-ranks N) or " if teacher_pool else ""
         raise ValueError(f"a colocated teacher runs under FSDP on the actor's mesh, which actor.engine="
-                         f"{cfg.actor.engine} does not build: {own}use --actor.engine fsdp")
+                         f"{cfg.actor.engine} does not build: give it ranks of its own (--pools.teacher-ranks N) "
+                         f"or use --actor.engine fsdp")
 
 
 def _check_critic(cfg: Config, *, engine_builds_critic: bool) -> list[str]:

@@ -13,7 +13,8 @@ from it, the trainer builds the actor, the reference and the critic through :fun
 modules are imported only when built, so planning a layout needs neither FSDP nor megatron-core.
 
 * ``fsdp`` (:mod:`.fsdp`): FSDP2 over ``[fsdp]`` / ``[ddp, fsdp]``, Ulysses ``[dp, sp]`` for the batch.
-* ``megatron`` (:mod:`.megatron`): megatron-core tp / pp / vpp / cp / ep over the global pool.
+* ``megatron`` (:mod:`.megatron`): megatron-core tp / pp / vpp / cp / ep over the global pool (the
+  actor's), next to rollout, teacher and reward pools.
 """
 
 from __future__ import annotations
@@ -50,8 +51,6 @@ class EngineSpec:
     value model's."""
     critic: bool = False
     """It builds PPO's critic (``role="critic"``: a value model; ``algo.adv_estimator=gae``)."""
-    beside_pools: tuple[str, ...] = ("rollout", "teacher", "reward")
-    """The pools of other roles it may run next to (``pools.<role>_ranks`` > 0)."""
     export_copy: bool = False
     """Its checkpoints also hold a full HF-named copy of the weights (``export_weights`` is not empty)."""
     ignored_flags: Callable[[ActorConfig], list[str]] = field(default=lambda actor: [])
@@ -127,8 +126,7 @@ ENGINES: dict[str, EngineSpec] = {
     "fsdp": EngineSpec(layouts=_fsdp_layouts, meshes=("fsdp", "ulysses"), batch_layout="ulysses", build=_build_fsdp,
                        critic=True, lora=True),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
-                           export_copy=True, ignored_flags=_megatron_ignored,
-                           beside_pools=("reward",)),  # a rollout or teacher pool beside it: not yet tested
+                           export_copy=True, ignored_flags=_megatron_ignored),
 }
 
 
