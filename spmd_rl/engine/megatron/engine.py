@@ -40,7 +40,8 @@ and the distributed optimizer's main weights and moments (``actor.megatron.optim
 host memory between phases and back, exactly (:mod:`.offload`). The groups are built over the
 global pool, also next to pools of other roles (:mod:`.groups`). Tests: ``tests/test_megatron_parity.py`` (TP2, TP2+SP, PP2, TP2xPP2, PP2xVPP2, EP2 updates
 against one process; log-probs against the FSDP engine; HF round trip), ``test_megatron_e2e.py``
-(torchrun run, exact resume, HF export, a reward pool), ``test_megatron_state.py`` (offload, resume
+(torchrun run, exact resume, HF export, a reward pool), ``test_megatron_pools.py`` (rollout and teacher
+pools: the colocated run's metrics, the rollout's weights bit for bit), ``test_megatron_state.py`` (offload, resume
 on other layouts) and ``test_megatron_bf16.py`` (the bf16 path emulated on
 CPU); ``bench/megatron_gpu_check.py`` compares it with the FSDP engine in bf16 on GPUs.
 """
