@@ -2,15 +2,17 @@
 on the sums task of ``configs/gpu_learn.yaml``, greedy held-out accuracy against training seconds.
 
     python3 bench/learn_vs_trl.py --out learn_vs_trl.jsonl       # one GPU: ours S=0, ours S=1, TRL; 200 steps each
-    python3 bench/learn_vs_trl.py --sides s0 trl --steps 100     # a subset of the sides, fewer steps
+    python3 bench/learn_vs_trl.py --sides s0 s1 --out a.jsonl    # ours only; then TRL with a time budget,
+    python3 bench/learn_vs_trl.py --sides trl --trl-max-train-s 480 --out a.jsonl
+    python3 bench/learn_vs_trl.py --report a.jsonl               # and one table of both runs
     python3 bench/learn_vs_trl.py --device cpu --model tiny --steps 2 --val-every 1 --prompts 2 --n 4 \
         --max-new-tokens 8 --val-size 8                          # CPU smoke run (tests/test_learn_vs_trl.py)
 
 TRL is not a dependency of this project: the TRL side needs ``pip install trl`` (TRL 1.16.0 with
 ``accelerate`` and ``datasets``; offline, ``pip download --no-deps -d wheelhouse trl==1.16.0
-accelerate==1.15.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash pandas pyarrow`` and
-install them with ``--no-index --find-links wheelhouse --no-deps``). Without it that side prints
-FAILED and the others still run.
+accelerate==1.15.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash pyarrow pandas
+python-dateutil six`` and install them with ``--no-index --find-links wheelhouse --no-deps``).
+Without it that side prints FAILED and the others still run.
 
 **The work.** Every side trains SmolLM2-135M-Instruct (the built-in ``smollm2-135m-instruct``) on
 ``configs/gpu_learn.yaml``'s task: "What is a + b? Reply with only the final number." with a, b in
@@ -36,7 +38,8 @@ per optimizer step (``--trl-micro-batch``, default 256: one micro-batch, like ou
 ``max_completion_length=32``, ``temperature=0.7``, ``beta=0.001``, ``epsilon=epsilon_high=0.2``,
 ``loss_type="dapo"`` (tokens of the whole batch), ``scale_rewards="group"``, ``num_iterations=1``,
 ``lr_scheduler_type="constant"``, ``use_bias_correction_kl=False`` (our KL loss has no
-importance weight), ``model_init_kwargs={"dtype": "float32"}`` with ``bf16=True``.
+importance weight), the model loaded in fp32 with ``bf16=True`` (autocast), and its
+``generation_config.eos_token_id`` set to our rollout's stop tokens (EOS and the chat's end of turn).
 
 **The clock.** Training seconds exclude model loading and every evaluation. Ours: the sum of the
 trainer's ``timing_s/step`` (generation, reward, reference, update, weight sync; checkpoints off).
@@ -48,36 +51,37 @@ stopped at ``on_step_end`` (after a device sync) for each evaluation and restart
 own per-step work (logging included) stays on the clock. Both clocks include the first steps'
 warm-up (our compiled layers, TRL's first CUDA kernels).
 
-**TRL configured for speed without vLLM** (its docs: vLLM first, which this GPU lacks; continuous
-batching in transformers, ``use_transformers_continuous_batching``, for N >= 32 generations per
-prompt, a tie at N = 8; gradient checkpointing off when memory allows; bf16; fewer, larger
-micro-batches): generation with HF ``generate`` (``--trl-generation continuous`` for the
-continuous-batching path), ``gradient_checkpointing=False`` (``GRPOConfig`` defaults it to True),
-TF32 matmuls, one generation per optimizer step (``steps_per_generation`` = gradient accumulation
-steps, TRL's default), no completion logging, ``logging_steps`` = ``--val-every``, no evaluation
-or saving of its own. Two things are not available to TRL here: its decode runs on the fp32
-weights (``generate`` runs outside ``accelerator.autocast()``; TF32 is on), because the
-continuous-batching path casts the training model to bf16 in place (``unwrapped_model.to(
-torch.bfloat16)``), after which AdamW's 2e-6 steps fall below bf16's spacing and the policy barely
-moves; and bf16 weights from the start (``dtype="auto"``) would learn nothing for the same reason.
+**TRL configured for speed without vLLM.** Its docs put vLLM first (not on this GPU), then
+transformers' continuous batching (``use_transformers_continuous_batching``) for N >= 32
+generations per prompt (a tie with ``generate`` at N = 8, as here), and say gradient checkpointing
+costs ~20 %. So: HF ``generate`` (``--trl-generation continuous`` for the other path),
+``gradient_checkpointing=False`` (``GRPOConfig`` defaults it to True), bf16 autocast and TF32
+matmuls, one generation per optimizer step (``steps_per_generation`` = the accumulation steps,
+TRL's default), one micro-batch of 256 completions (fewest kernel launches; memory is ample), no
+completion logging, ``logging_steps`` = ``--val-every``, no evaluation or saving of its own. What
+TRL cannot do here is decode in bf16: ``generate`` runs on the fp32 weights outside
+``accelerator.autocast()``, and the continuous-batching path casts the training model itself to
+bf16 (``unwrapped_model.to(torch.bfloat16)``, never cast back, as read in TRL 1.16.0's source),
+after which AdamW's 2e-6 steps fall below bf16's spacing (2^-8 of a weight) and the policy barely
+moves; bf16 weights from the start (``dtype="auto"``) fail the same way.
 
 **Why 64 x 4 completed no optimizer step in 100 s** (``per_device_train_batch_size=64,
 gradient_accumulation_steps=4, num_generations=8``, the other settings left at TRL 1.16's
 defaults). That batch is right: ``steps_per_generation`` defaults to the accumulation steps, so
 ``generation_batch_size`` = 64 x 4 = 256 completions = 32 prompts, generated once per optimizer
-step and split into 4 micro-batches (``_prepare_inputs``). What the defaults do to a step:
-``max_completion_length`` is 512, not 32, and HF ``generate`` decodes the whole batch of 256 until
-its last row ends: at temperature 1 (TRL's default) one of 256 SmolLM2 answers almost surely runs
-on, so every generation is 512 decode steps of a 30-layer model, launch-bound eager kernels on fp32
-weights (``model_init_kwargs`` default ``dtype="float32"``) with a concatenated KV cache, tens of
-seconds per step instead of under one; then the 4 micro-batches, the reference pass and the loss
-run on right-padded [64, prompt + 512] rows (no padding-free path in GRPO) with gradient
-checkpointing on (a second forward in every backward). And ``logging_steps`` defaults to 10: the
-first line that shows an optimizer step is printed after step 10, so a step every 10-20 s prints
-nothing for the first 100-200 s. With 32 new tokens, no checkpointing and one micro-batch a step
-takes about a second. (Derived from TRL 1.16.0's source, not yet timed on the GPU: the ``trl`` summary
-line of ``--out`` holds TRL's generation and reward seconds per step, its ``step_time``, mean
-completion length and the share of completions cut at the length limit, to check it.)
+step and split into 4 micro-batches (``_prepare_inputs``). What the defaults do to a step, most
+likely the cause: ``max_completion_length`` is 512, not 32, and HF ``generate`` decodes the whole
+batch of 256 until its last row ends: at temperature 1 (TRL's default) one of 256 SmolLM2 answers
+is likely to run on, so a generation is up to 512 decode steps of a 30-layer model, launch-bound
+eager kernels on fp32 weights (``model_init_kwargs`` default ``dtype="float32"``) with a dynamic
+KV cache, an estimated 10-20 s per step instead of about one; then the 4 micro-batches, the
+reference pass and the loss run on right-padded [64, prompt + 512] rows (GRPO has no padding-free
+path) with gradient checkpointing on (a second forward in every backward). And ``logging_steps``
+defaults to 10: the first line that shows an optimizer step is printed after step 10, so a step
+every 10-20 s prints nothing for the first 100-200 s. (Derived from TRL 1.16.0's source, not yet
+timed on the GPU: the ``trl`` summary line of ``--out`` holds TRL's generation and reward seconds
+per step, its ``step_time``, mean completion length and the share of completions cut at the length
+limit, to check it.)
 
 Output: one table, a row per evaluation step with each side's training seconds and accuracy, and
 a last row with the seconds each side needed to reach ``--target`` (0.8) accuracy, or "not
@@ -208,13 +212,13 @@ class HeldOut:
 def run_trl(args: argparse.Namespace, out_dir: str) -> tuple[list[dict], dict]:
     """TRL's ``GRPOTrainer`` on the same work; its validation points and TRL's mean phase times."""
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from spmd_rl.config import load_config
     from spmd_rl.data import build_prompts
     from spmd_rl.data.prompts import render_prompts, sample_messages
-    from spmd_rl.models import resolve_model_path
+    from spmd_rl.models import eos_token_ids, resolve_model_path
     from spmd_rl.reward.registry import build_scorer
 
     cfg = load_config(common_flags(args))
@@ -256,7 +260,7 @@ def run_trl(args: argparse.Namespace, out_dir: str) -> tuple[list[dict], dict]:
         num_iterations=1, use_bias_correction_kl=False, mask_truncated_completions=False,
         use_transformers_continuous_batching=args.trl_generation == "continuous",
         gradient_checkpointing=False, bf16=on_gpu, tf32=True if on_gpu else None, use_cpu=not on_gpu,
-        model_init_kwargs={"dtype": "float32"}, disable_dropout=True, max_steps=args.steps,
+        disable_dropout=True, max_steps=args.steps,
         logging_steps=args.val_every or args.steps, log_completions=False, report_to="none", save_strategy="no",
         eval_strategy="no", disable_tqdm=True, seed=cfg.trainer.seed, remove_unused_columns=False)
     points: list[dict] = []
@@ -279,11 +283,17 @@ def run_trl(args: argparse.Namespace, out_dir: str) -> tuple[list[dict], dict]:
                 torch.cuda.synchronize()
             self.train_s += time.perf_counter() - self.since
             step = state.global_step
-            if (args.val_every and step % args.val_every == 0) or step == args.steps:
+            out_of_time = 0 < args.trl_max_train_s <= self.train_s
+            if (args.val_every and step % args.val_every == 0) or step == args.steps or out_of_time:
                 self.evaluate(step, model)
+            control.should_training_stop = control.should_training_stop or out_of_time
             self.since = time.perf_counter()
 
-    trainer = GRPOTrainer(model=folder, reward_funcs=[sums_reward], args=config, train_dataset=dataset,
+    # fp32 master weights as ours (bf16 weights would round AdamW's 2e-6 steps away); the same stop tokens
+    # as our rollout (EOS and the chat's end-of-turn ids): TRL ends a completion at generation_config's ids
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.generation_config.eos_token_id = eos_token_ids(tokenizer)
+    trainer = GRPOTrainer(model=model, reward_funcs=[sums_reward], args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Clock()])
     # TRL's own phase timers (profiling/...) report only to wandb / mlflow / trackio: time its generation and
     # reward calls here instead (private methods of TRL 1.16; skipped when absent)
@@ -326,6 +336,26 @@ def reached(points: list[dict], target: float) -> dict:
     best = max(points, key=lambda p: (p["accuracy"], -p["train_s"]), default=None)
     return {"seconds_to_target": hit["train_s"] if hit else None, "step_at_target": hit["step"] if hit else None,
             "best": best["accuracy"] if best else None, "best_train_s": best["train_s"] if best else None}
+
+
+def read_report(path: str) -> tuple[dict[str, list[dict]], dict]:
+    """The curves of ``--out`` JSON lines (a side's points end with its summary line; the last run
+    of each side wins) and the run settings of the last line."""
+    curves: dict[str, list[dict]] = {}
+    pending: dict[str, list[dict]] = {}
+    meta: dict = {}
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            meta = row
+            if row.get("summary"):
+                curves[row["side"]] = pending.pop(row["side"], [])
+            else:
+                pending.setdefault(row["side"], []).append(
+                    {k: row[k] for k in ("step", "train_s", "accuracy")})
+    if not curves:
+        raise SystemExit(f"--report {path}: no completed side in it")
+    return {s: curves[s] for s in SIDES if s in curves}, meta
 
 
 def print_table(curves: dict[str, list[dict]], summary: dict[str, dict], args: argparse.Namespace) -> None:
@@ -376,9 +406,18 @@ def main(argv: list[str] | None = None) -> None:
                    help="TRL: completions per forward/backward (per_device_train_batch_size)")
     p.add_argument("--trl-generation", choices=["generate", "continuous"], default="generate",
                    help="TRL: HF generate, or transformers' continuous batching (casts the policy to bf16)")
+    p.add_argument("--trl-max-train-s", type=float, default=0.0,
+                   help="TRL: stop (and evaluate) once its training clock passes this many seconds (0 = no limit)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", default=None, help="append JSON lines here")
+    p.add_argument("--report", default=None, help="only print the table of the JSON lines in this file (--out of "
+                   "earlier runs, e.g. one per side; the last run of each side counts)")
     args = p.parse_args(argv)
+    if args.report:
+        curves, meta = read_report(args.report)
+        vars(args).update({k: v for k, v in meta.items() if k in vars(args)})
+        print_table(curves, {s: {"target": args.target, **reached(c, args.target)} for s, c in curves.items()}, args)
+        return
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     curves: dict[str, list[dict]] = {}

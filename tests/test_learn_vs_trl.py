@@ -33,6 +33,24 @@ def test_ours_clock_adds_back_generation_hidden_by_validation():
     assert learn_vs_trl.reached(stale, 0.8)["seconds_to_target"] is None
 
 
+def test_report_reads_the_last_run_of_each_side(tmp_path, capsys):
+    """``--report`` prints one table from the JSON lines of several runs; a side's last run counts."""
+    meta = {"model": "tiny-random", "device": "cpu", "steps": 2, "prompts": 2, "n": 4, "max_new_tokens": 8,
+            "val_size": 8}
+    lines = []
+    for side, accuracies in (("trl", [0.1, 0.2]), ("s0", [0.1, 0.9]), ("trl", [0.1, 0.85])):
+        lines += [{"side": side, "step": 2 * i, "train_s": 10.0 * i, "accuracy": a, **meta}
+                  for i, a in enumerate(accuracies)]
+        lines.append({"side": side, "summary": True, **meta})
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    curves, got = learn_vs_trl.read_report(str(path))
+    assert list(curves) == ["s0", "trl"] and curves["trl"][1]["accuracy"] == 0.85 and got["val_size"] == 8
+    learn_vs_trl.main(["--report", str(path)])
+    table = capsys.readouterr().out
+    assert "  to 0.8 |" in table and "ours S=0 reaches 0.8 in 1.00x less time than TRL" in table
+
+
 @needs("trl", "datasets", "accelerate", install="pip install trl (TRL 1.16: accelerate, datasets)")
 def test_cpu_smoke_all_sides(tmp_path):
     """Ours at S=0 and S=1 (a rollout pool) and TRL's GRPOTrainer each train 2 steps of a tiny model on the
