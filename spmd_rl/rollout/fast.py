@@ -81,8 +81,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 class FastDecoder:
     """Static-cache, graph-captured decoding over a HF model of a supported family (module docstring)."""
 
-    _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_slot", "_col", "_row_of", "_finished", "_temp", "_u", "_scaled",
-                     "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin")
+    _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_wpos", "_ncol", "_limit", "_ar", "_row_of", "_finished", "_temp",
+                     "_u", "_scaled", "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin")
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_batch: int, pad_token_id: int,
                  prefill_tokens: int = 16384, compile_layers: bool = False) -> None:
@@ -160,10 +160,15 @@ class FastDecoder:
         self.check_every = 4 if self.use_graphs else 1
         self.cache: torch.Tensor | None = None  # the full-length layers' K/V
         self.ring: torch.Tensor | None = None  # the windowed layers' K/V (window-sized)
-        self._shape: tuple[int, int] | None = None  # (rows, slots) of the last cache, for restore()
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, greedy, top_k, top_p) -> the step
+        self._shape: tuple[int, int, int] | None = None  # (rows, slots, output rows) of the last cache, for restore()
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, span, greedy, top_k, top_p) -> the step
         self._pool = None
         self.compactions = 0  # how many times live rows moved to a smaller bucket (tests read it)
+        self.refills = 0  # how many times queued rows were prefilled into freed slots (tests read it)
+        # refill once this share of the bucket's slots is free (or none is live): fewer, larger prefills
+        self.refill_fraction = 1 / 16
+        # bytes the cache and buffers may take; None = what the device has free (CUDA), no check on CPU
+        self.memory_budget: int | None = None
 
     # ------------------------------------------------------------------ memory
 
@@ -180,15 +185,61 @@ class FastDecoder:
         if self.cache is None and self._shape is not None:
             self._allocate(*self._shape)
 
-    def _ensure_cache(self, rows: int, slots: int) -> None:
-        if self.cache is not None and self._shape[0] >= rows and self._shape[1] >= slots:
+    def _ensure_cache(self, rows: int, slots: int, out_rows: int) -> None:
+        """A cache of at least ``rows`` sequence slots of ``slots`` positions and outputs for ``out_rows``
+        rows; grows only (a new size frees the old cache and graphs first)."""
+        if self.cache is not None and all(a >= b for a, b in zip(self._shape, (rows, slots, out_rows))):
             return
         if self.cache is not None:
-            rows, slots = max(rows, self._shape[0]), max(slots, self._shape[1])
+            rows, slots, out_rows = (max(a, b) for a, b in zip(self._shape, (rows, slots, out_rows)))
         self.release()
-        self._allocate(rows, -(-slots // 64) * 64)
+        slots = -(-slots // 64) * 64
+        self._check_memory(rows, slots, out_rows)
+        self._allocate(rows, slots, out_rows)
 
-    def _allocate(self, rows: int, slots: int) -> None:
+    def memory_needed(self, rows: int, slots: int, out_rows: int) -> dict[str, int]:
+        """Bytes :meth:`_allocate` takes for ``rows`` sequence slots of ``slots`` positions and ``out_rows``
+        output rows (``kv``: the K/V cache and rings; ``buffers``: logits and outputs), and ``transient``,
+        an estimate of the largest prefill's activations (``prefill_tokens`` tokens at once)."""
+        item = self.inner.embed_tokens.weight.element_size()
+        windowed = sum(w is not None for w in self.windows)
+        per_slot = 2 * self.kv_heads * self.head_dim * item  # K and V of one position, one layer
+        kv = per_slot * rows * ((len(self.layers) - windowed) * slots + windowed * min(self.window or 0, slots))
+        buffers = rows * self.vocab * 4 * 2 + (out_rows + 1) * slots * (8 + 4 + 4) + rows * 64
+        hidden = self.inner.embed_tokens.weight.shape[1]
+        width = max([f.weight.shape[0] for f in self.fused] + [self.vocab // 8])
+        transient = self.prefill_tokens * (4 * hidden + 2 * width) * item
+        return {"kv": kv, "buffers": buffers, "transient": transient}
+
+    def _available(self) -> int | None:
+        if self.memory_budget is not None:
+            return self.memory_budget
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)  # the driver's free memory + what torch holds unused
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+
+    def _check_memory(self, rows: int, slots: int, out_rows: int) -> None:
+        """Fail before allocating when the cache would not fit, with the numbers and the flags to change."""
+        available = self._available()
+        need = self.memory_needed(rows, slots, out_rows)
+        total = sum(need.values())
+        if available is None or total <= available:
+            return
+        gib = 2 ** 30
+        per_row = need["kv"] / rows / gib
+        fit = max(0, int((available - total + need["kv"]) // (need["kv"] / rows)))
+        raise MemoryError(
+            f"FastDecoder: the KV cache of {rows} sequence slots x {slots} positions (rollout.batch_size x (longest "
+            f"prompt + rollout.max_new_tokens), rounded up to 64) needs {total / gib:.2f} GiB on {self.device} "
+            f"({need['kv'] / gib:.2f} GiB K/V, {per_row:.3f} GiB per slot; {need['buffers'] / gib:.2f} GiB logits "
+            f"and outputs; {need['transient'] / gib:.2f} GiB prefill activations), but {available / gib:.2f} GiB "
+            f"is available. Lower --rollout.batch-size (about {fit} slots fit; queued rows wait for a free slot, "
+            "so fewer slots cost speed, not results), --rollout.max-new-tokens or --data.max-prompt-length, or "
+            "leave more memory to the rollout (--rollout.sleep-level 2 for a colocated actor, "
+            "--rollout.gpu-memory-fraction with pools.colocate)")
+
+    def _allocate(self, rows: int, slots: int, out_rows: int) -> None:
         """The cache and every buffer a captured step reads or writes (fixed addresses for the graphs)."""
         dtype, dev = self.inner.embed_tokens.weight.dtype, self.device
         windowed = sum(w is not None for w in self.windows)
@@ -196,21 +247,23 @@ class FastDecoder:
                                  dtype=dtype, device=dev)
         self.ring = torch.zeros(windowed, 2, rows, self.kv_heads, min(self.window or 0, slots), self.head_dim,
                                 dtype=dtype, device=dev)
-        self._shape = (rows, slots)
+        self._shape = (rows, slots, out_rows)
         long = dict(dtype=torch.long, device=dev)
         self._tok = torch.zeros(rows, **long)       # the token each row feeds the next forward
         self._pos = torch.zeros(rows, **long)       # its position
         self._pad = torch.zeros(rows, **long)       # left-padding slots of each row
-        self._slot = torch.zeros(1, **long)         # the slot the next forward writes
-        self._col = torch.zeros(1, **long)          # the output column the next sample writes
+        self._wpos = torch.zeros(rows, **long)      # the slot each row's next forward writes
+        self._ncol = torch.zeros(rows, **long)      # the output column each row's next sample writes
+        self._limit = torch.ones(rows, **long)      # each row's most new tokens
+        self._ar = torch.arange(rows, **long)
         self._row_of = torch.zeros(rows, **long)    # output row of each cache row (the spare row for spares)
-        self._finished = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self._finished = torch.ones(rows, dtype=torch.bool, device=dev)
         self._temp = torch.ones(1, dtype=torch.float32, device=dev)  # logits are divided by it
         self._u = torch.zeros(rows, dtype=torch.float32, device=dev)  # this step's uniforms
         self._scaled = torch.zeros(rows, self.vocab, dtype=torch.float32, device=dev)  # logits / T
         self._lse = torch.zeros(rows, dtype=torch.float32, device=dev)
-        self._out_tok = torch.zeros(rows + 1, slots, **long)  # + a spare row
-        self._out_lp = torch.zeros(rows + 1, slots, dtype=torch.float32, device=dev)
+        self._out_tok = torch.zeros(out_rows + 1, slots, **long)  # + a spare row
+        self._out_lp = torch.zeros(out_rows + 1, slots, dtype=torch.float32, device=dev)
         self._out_mask = torch.zeros_like(self._out_lp)
         self._slots = torch.arange(slots, device=dev)
         # RoPE tables by position, one per rope key (see rope_types)
@@ -277,9 +330,9 @@ class FastDecoder:
             out[w] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
         return out
 
-    def _prefill(self, ids: torch.Tensor, pad: torch.Tensor, row0: int) -> None:
-        """Prompts ``ids [b, P]`` (left-padded by ``pad [b]``) into cache rows ``row0..row0+b``, slots
-        ``0..P-1``; the last position's logits go to the logits buffer's rows ``row0..row0+b``."""
+    def _prefill(self, ids: torch.Tensor, pad: torch.Tensor, dest: torch.Tensor) -> None:
+        """Prompts ``ids [b, P]`` (left-padded by ``pad [b]``) into cache rows ``dest [b]``, slots ``0..P-1``;
+        the last position's logits go to the logits buffer's rows ``dest``."""
         b, length = ids.shape
         ar = self._slots[:length]
         pos = (ar[None, :] - pad[:, None]).clamp(min=0)
@@ -297,51 +350,60 @@ class FastDecoder:
             qk, v = qk.transpose(1, 2), v.transpose(1, 2)  # [b, H + Hkv, P, D], [b, Hkv, P, D]
             q, k = qk[:, :self.heads], qk[:, self.heads:]
             kv = self._kv(i)
-            if self._kv_of[i][0]:
-                kv[0, row0:row0 + b, :, last % ring] = k[:, :, last]
-                kv[1, row0:row0 + b, :, last % ring] = v[:, :, last]
+            if self._kv_of[i][0]:  # advanced indices [b, 1] x [1, n] first, then [Hkv, D]
+                at = (dest[:, None], slice(None), (last % ring)[None, :])
+                kv[0][at] = k[:, :, last].transpose(1, 2)
+                kv[1][at] = v[:, :, last].transpose(1, 2)
             else:
-                kv[0, row0:row0 + b, :, :length] = k
-                kv[1, row0:row0 + b, :, :length] = v
+                kv[0][dest, :, :length] = k
+                kv[1][dest, :, :length] = v
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[self.windows[i]], scale=self.scaling)
             x = self._out(i, x, o.transpose(1, 2).reshape(b, length, self.heads * self.head_dim), self.attn_out)
-        scaled = self._scaled[row0:row0 + b]
-        scaled.copy_(self._logits(x[:, -1])).div_(self._temp)
-        torch.logsumexp(scaled, dim=-1, out=self._lse[row0:row0 + b])
+        scaled = self._logits(x[:, -1]).float().div_(self._temp)
+        self._scaled[dest] = scaled
+        self._lse[dest] = torch.logsumexp(scaled, dim=-1)
 
-    def _forward(self, rows: int) -> None:
-        """The decode forward of ``_tok`` for cache rows ``0..rows-1``; advances the position and slot."""
-        pos = self._pos[:rows]
-        valid = (self._slots[None, :] >= self._pad[:rows, None]) & (self._slots[None, :] <= self._slot)
+    def _forward(self, rows: int, span: int) -> None:
+        """The decode forward of ``_tok`` for cache rows ``0..rows-1``, attending over slots ``0..span-1``
+        (``span`` > every row's write slot); advances the live rows' positions and write slots."""
+        pos, wpos = self._pos[:rows], self._wpos[:rows]
+        slots = self._slots[:span]
+        valid = (slots[None, :] >= self._pad[:rows, None]) & (slots[None, :] <= wpos[:, None])
         x = self.inner.embed_tokens(self._tok[:rows])
-        # Additive masks [rows, 1, 1, slots or ring size], built once per step, broadcast over KV heads and
-        # query groups. Ring entry j holds the latest slot s <= this step's with s % R == j; it counts when
-        # that slot is one of the row's (not left padding) and fewer than the layer's window back.
+        # Additive masks [rows, 1, 1, span or ring size], built once per step, broadcast over KV heads and
+        # query groups. Ring entry j holds the latest slot s <= the row's write slot with s % R == j; it counts
+        # when that slot is one of the row's (not left padding) and fewer than the layer's window back.
         bias = {None: self._biases(valid, {None: None}, x.dtype)[None][:, None, None, :]}
         if self.window is not None:
             ring = self.ring.shape[4]
-            held = self._slot - (self._slot - self._slots[:ring]) % ring  # [R] the slot at each ring index
-            live = (held[None, :] >= self._pad[:rows, None]) & (held >= 0)[None]
-            near = {w: (held > self._slot - w)[None] for w in set(self.windows) if w}
+            seen = min(span, ring)  # span <= R: every written slot s < span sits at ring index s
+            held = wpos[:, None] - (wpos[:, None] - self._slots[None, :seen]) % ring  # [rows, seen]
+            live = (held >= self._pad[:rows, None]) & (held >= 0)
+            near = {w: held > wpos[:, None] - w for w in set(self.windows) if w}
             bias.update({w: m[:, None, None, :] for w, m in self._biases(live, near, x.dtype).items()})
-            ring_slot = self._slot % ring
+            ring_at = wpos % ring
         tables = [(self._cos[t][pos][:, None], self._sin[t][pos][:, None]) for t in range(len(self.rope_keys))]
+        rows_at = self._ar[:rows]
         for i in range(len(self.layers)):
             cos, sin = tables[self.rope_of[i]]  # [rows, 1, D]
             qk, v = self._in(i, x, cos, sin, self._step_in)
             kv = self._kv(i)
             k_cache, v_cache = kv[0, :rows], kv[1, :rows]
-            at = ring_slot if self._kv_of[i][0] else self._slot
-            k_cache.index_copy_(2, at, qk[:, self.heads:, None])
-            v_cache.index_copy_(2, at, v[:, :, None])
+            in_ring = self._kv_of[i][0]
+            at = ring_at if in_ring else wpos
+            k_cache[rows_at, :, at] = qk[:, self.heads:]  # each row writes its own slot: [rows, Hkv, D]
+            v_cache[rows_at, :, at] = v
+            width = seen if in_ring else span
             q = qk[:, :self.heads].unflatten(1, (self.kv_heads, self.group))  # query heads of one KV head together
-            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias[self.windows[i]], scale=self.scaling)
+            o = F.scaled_dot_product_attention(q, k_cache[:, :, :width], v_cache[:, :, :width],
+                                               attn_mask=bias[self.windows[i]], scale=self.scaling)
             x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
         self._head(x, rows)
-        self._pos[:rows] += 1
-        self._slot += 1
+        live = (~self._finished[:rows]).long()  # finished rows keep their slot: writes stay inside the cache
+        pos += live
+        wpos += live
 
     # ------------------------------------------------------------------ sampling
 
@@ -363,45 +425,48 @@ class FastDecoder:
         return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse
 
     def _record(self, rows: int, *, greedy: bool, top_k: int, top_p: float) -> None:
-        """Sample rows ``0..rows-1`` from the logits buffer and write token, log-prob and live mask at the
-        output column; finished rows write pad / 0 / 0. The sampled tokens feed the next forward."""
+        """Sample rows ``0..rows-1`` from the logits buffer and write token, log-prob and live mask at each
+        live row's output column; finished rows write nothing. A row finishes at an EOS id or at its
+        ``_limit``-th token. The sampled tokens feed the next forward."""
         tok, lp = self._pick(self._scaled[:rows], self._lse[:rows], None if greedy else self._u[:rows],
                              top_k=top_k, top_p=top_p)
-        live = ~self._finished[:rows]
-        where = (self._row_of[:rows], self._col.expand(rows))
+        finished, ncol = self._finished[:rows], self._ncol[:rows]
+        live = ~finished
+        # finished rows and spares write to the spare output row, whose contents are dropped
+        where = (torch.where(live, self._row_of[:rows], self._out_tok.shape[0] - 1), ncol)
         self._out_tok.index_put_(where, torch.where(live, tok, self.pad_token_id))
         self._out_lp.index_put_(where, torch.where(live, lp, 0.0))
         self._out_mask.index_put_(where, live.float())
-        self._finished[:rows].logical_or_(torch.isin(tok, self._eos))
+        ncol += live.long()
+        finished.logical_or_(torch.isin(tok, self._eos) | (ncol >= self._limit[:rows]))
         self._tok[:rows] = tok
-        self._col += 1
 
-    def _step_body(self, rows: int, mode: tuple[bool, int, float]) -> None:
+    def _step_body(self, rows: int, span: int, mode: tuple[bool, int, float]) -> None:
         """One step: sample from the last logits, then the forward of the sampled tokens."""
         greedy, top_k, top_p = mode
         self._record(rows, greedy=greedy, top_k=top_k, top_p=top_p)
-        self._forward(rows)
+        self._forward(rows, span)
 
-    def _step(self, rows: int, mode: tuple[bool, int, float]) -> None:
+    def _step(self, rows: int, span: int, mode: tuple[bool, int, float]) -> None:
         if not self.use_graphs:
-            self._step_body(rows, mode)
+            self._step_body(rows, span, mode)
             return
-        graph = self._graphs.get((rows, *mode))
+        graph = self._graphs.get((rows, span, *mode))
         if graph is None:
-            graph = self._capture(rows, mode)
+            graph = self._capture(rows, span, mode)
         graph.replay()
 
-    def _capture(self, rows: int, mode: tuple[bool, int, float]) -> torch.cuda.CUDAGraph:
-        """Capture the step of ``rows`` rows. The warm-up really runs the step, so the state it changed is
-        put back first (the K/V it wrote are those the replay writes again)."""
-        state = [self._tok[:rows], self._pos[:rows], self._slot, self._col, self._finished[:rows],
+    def _capture(self, rows: int, span: int, mode: tuple[bool, int, float]) -> torch.cuda.CUDAGraph:
+        """Capture the step of ``rows`` rows over ``span`` slots. The warm-up really runs the step, so the
+        state it changed is put back first (the K/V and outputs it wrote are those the replay writes again)."""
+        state = [self._tok[:rows], self._pos[:rows], self._wpos[:rows], self._ncol[:rows], self._finished[:rows],
                  self._scaled[:rows], self._lse[:rows]]
         saved = [t.clone() for t in state]
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._step_body(rows, mode)  # lazy library workspaces are set up outside the capture
+                self._step_body(rows, span, mode)  # lazy library workspaces are set up outside the capture
             torch.cuda.current_stream().wait_stream(side)
             for t, old in zip(state, saved):
                 t.copy_(old)
@@ -410,8 +475,8 @@ class FastDecoder:
             graph = torch.cuda.CUDAGraph()
             # thread_local: CUDA calls of other threads (NCCL watchdog, pinned-memory copies) cannot spoil it
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._step_body(rows, mode)
-        self._graphs[(rows, *mode)] = graph
+                self._step_body(rows, span, mode)
+        self._graphs[(rows, span, *mode)] = graph
         return graph
 
     # ------------------------------------------------------------------ generation
@@ -419,24 +484,34 @@ class FastDecoder:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def span(self, n: int) -> int:
+        """The slots a step attends over when every write slot is below ``n``: a power of two from 128 on,
+        at most the cache's length (one graph per bucket and span)."""
+        return min(max(128, 1 << max(n - 1, 1).bit_length()), self._shape[1])
+
     def generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
-        generator: torch.Generator, eos: torch.Tensor,
+        generator: torch.Generator, eos: torch.Tensor, max_new_per_row: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As ``NativeRollout._generate_chunk_hf``: ``tokens, mask, logprobs [b, t]`` and ``truncated [b]``."""
+        """As ``NativeRollout._generate_chunk_hf``: ``tokens, mask, logprobs [b, t]`` and ``truncated [b]``,
+        for any number of rows: at most ``max_batch`` decode at once and the others queue (in the order
+        given) for the slots of finished rows. ``max_new_per_row``: each row's own most new tokens (each
+        at most ``max_new_tokens``, which sizes the cache); a row that reaches it is truncated."""
         with sdpa_kernel(ATTENTION_BACKENDS):
             return self._generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
-                                        max_new_tokens=max_new_tokens, generator=generator, eos=eos)
+                                        max_new_tokens=max_new_tokens, generator=generator, eos=eos,
+                                        max_new_per_row=max_new_per_row)
 
     def _generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
-        generator: torch.Generator, eos: torch.Tensor,
+        generator: torch.Generator, eos: torch.Tensor, max_new_per_row: list[int] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, longest, dev = len(rows), max(len(r) for r in rows), self.device
-        if b > self.buckets[-1]:
-            raise ValueError(f"FastDecoder: {b} rows exceed rollout.batch_size ({self.buckets[-1]})")
-        cur = self.bucket(b)
-        self._ensure_cache(cur, longest + max_new_tokens)
+        b, longest = len(rows), max(len(r) for r in rows)
+        limits = [max_new_tokens] * b if max_new_per_row is None else [int(m) for m in max_new_per_row]
+        if len(limits) != b or not all(1 <= m <= max_new_tokens for m in limits):
+            raise ValueError(f"FastDecoder: max_new_per_row needs {b} values in [1, {max_new_tokens}]")
+        cur = self.bucket(min(b, self.buckets[-1]))
+        self._ensure_cache(cur, longest + max_new_tokens, b)
         self._set_eos(eos)
         half = self.head_dim // 2
         for t, key in enumerate(self.rope_keys):  # the same tables as HF's forward
@@ -445,50 +520,76 @@ class FastDecoder:
             self._cos[t].copy_(cos[0])
             self._sin[t].copy_(torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1))  # rotate_half's sign
 
-        ids = torch.full((b, longest), self.pad_token_id, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, longest - len(r):] = torch.tensor(r, dtype=torch.long)
-        pad = torch.tensor([longest - len(r) for r in rows], dtype=torch.long)
-        ids, pad = ids.to(dev), pad.to(dev)
-        self._pad[:cur].zero_()
-        self._pad[:b] = pad
-        self._pos[:cur].zero_()  # spare rows: positions stay small, inside the RoPE table
-        self._pos[:b] = longest - pad
-        self._slot.fill_(longest)
-        self._col.zero_()
+        spare = self._out_tok.shape[0] - 1
+        # every slot starts as a spare: finished, slot 0 (so its attention row is never empty), flat logits
+        for buf in (self._pad, self._pos, self._wpos, self._ncol):
+            buf.zero_()
+        self._row_of.fill_(spare)
+        self._finished.fill_(True)
+        self._scaled.zero_()
+        self._lse.zero_()
         self._temp.fill_(temperature if temperature > 0 else 1.0)
-        self._scaled[b:cur].zero_()  # spare rows sample from flat logits; their outputs go to the spare row
-        self._lse[b:cur].zero_()
-        self._row_of[:cur] = torch.arange(cur, device=dev).clamp_(max=b)
-        self._finished[:cur] = torch.arange(cur, device=dev) >= b
-        self._out_tok[:b + 1, :max_new_tokens].fill_(self.pad_token_id)
-        self._out_lp[:b + 1, :max_new_tokens].zero_()
-        self._out_mask[:b + 1, :max_new_tokens].zero_()
-        group = max(1, self.prefill_tokens // longest)
-        for s in range(0, b, group):
-            self._prefill(ids[s:s + group], pad[s:s + group], s)
+        self._out_tok[:b].fill_(self.pad_token_id)
+        self._out_lp[:b].zero_()
+        self._out_mask[:b].zero_()
 
+        queue = list(range(b))[::-1]  # popped from the end: rows in the order given
+        top = self._fill(list(range(min(cur, b))), queue, rows, limits)  # highest write slot so far
         greedy = temperature == 0
-        mode = (True, 0, 1.0) if greedy else (False, top_k, top_p)  # one graph per mode and bucket
-        for step in range(max_new_tokens):
+        mode = (True, 0, 1.0) if greedy else (False, top_k, top_p)  # one graph per mode, bucket and span
+        span = self.span(top + self.check_every + 1)
+        step = 0
+        while True:
             if not greedy:
                 self._u[:cur].uniform_(generator=generator)
-            if step == max_new_tokens - 1:  # the last token: sampled, never fed back
-                self._record(cur, greedy=greedy, top_k=top_k, top_p=top_p)
+            self._step(cur, span, mode)
+            step += 1
+            if step % self.check_every:
+                continue
+            finished = self._finished[:cur]
+            n_live, top = torch.stack([(~finished).sum(), self._wpos[:cur].max()]).tolist()  # one host sync
+            if n_live == 0 and not queue:
                 break
-            self._step(cur, mode)
-            if (step + 1) % self.check_every == 0:
-                n_live = int((~self._finished[:cur]).sum())
-                if n_live == 0:
-                    break
-                if self.bucket(n_live) < cur:
-                    cur = self._compact(cur, spare=b)
+            free = cur - n_live
+            if queue and (n_live == 0 or free >= max(1, int(cur * self.refill_fraction))):
+                slots = torch.nonzero(finished).squeeze(-1)[:len(queue)].tolist()
+                top = max(top, self._fill(slots, queue, rows, limits))
+                self.refills += 1
+            elif not queue and self.bucket(n_live) < cur:
+                cur = self._compact(cur, spare=spare)
+            span = self.span(top + self.check_every + 1)
         mask = self._out_mask[:b]
         width = max(int(mask.sum(-1).max()), 1)
         tokens = self._out_tok[:b, :width].clone()
         last = tokens.gather(1, mask.sum(-1, keepdim=True).long().clamp_(min=1) - 1).squeeze(1)
         truncated = ~torch.isin(last, self._eos)  # a row ends at its first EOS, so no EOS last = no EOS at all
         return tokens, mask[:, :width].clone(), self._out_lp[:b, :width].clone(), truncated
+
+    def _fill(self, slots: list[int], queue: list[int], rows: list[list[int]], limits: list[int]) -> int:
+        """Prefill the next queued rows into the cache rows ``slots`` (as many as both have), in groups of
+        at most ``prefill_tokens`` tokens, each group left-padded to its longest prompt; returns the
+        highest slot a filled row writes next."""
+        taken = [queue.pop() for _ in range(min(len(slots), len(queue)))]
+        dev, top, start = self.device, 0, 0
+        while start < len(taken):
+            longest = max(len(rows[r]) for r in taken[start:start + 1])
+            group = taken[start:start + max(1, self.prefill_tokens // longest)]
+            longest = max(len(rows[r]) for r in group)
+            ids = torch.full((len(group), longest), self.pad_token_id, dtype=torch.long)
+            for i, r in enumerate(group):
+                ids[i, longest - len(rows[r]):] = torch.tensor(rows[r], dtype=torch.long)
+            pad = torch.tensor([longest - len(rows[r]) for r in group], dtype=torch.long, device=dev)
+            dest = torch.tensor(slots[start:start + len(group)], dtype=torch.long, device=dev)
+            self._prefill(ids.to(dev), pad, dest)
+            self._pad[dest] = pad
+            self._pos[dest] = longest - pad
+            self._wpos[dest] = longest
+            self._ncol[dest] = 0
+            self._limit[dest] = torch.tensor([limits[r] for r in group], dtype=torch.long, device=dev)
+            self._row_of[dest] = torch.tensor(group, dtype=torch.long, device=dev)
+            self._finished[dest] = False
+            top, start = max(top, longest), start + len(group)
+        return top
 
     def _set_eos(self, eos: torch.Tensor) -> None:
         """The EOS ids the captured steps compare against (a buffer of its own; a new count recaptures)."""
@@ -508,7 +609,8 @@ class FastDecoder:
         for cache in (self.cache, self.ring):
             for i in range(cache.shape[0]):  # one layer at a time: the gather copy stays small
                 cache[i, :, :n] = cache[i][:, keep]
-        for buf in (self._tok, self._pos, self._pad, self._row_of, self._scaled, self._lse):
+        for buf in (self._tok, self._pos, self._pad, self._wpos, self._ncol, self._limit, self._row_of, self._scaled,
+                    self._lse):
             buf[:n] = buf[keep]
         self._row_of[n:new] = spare
         self._finished[:new] = torch.arange(new, device=self.device) >= n

@@ -147,9 +147,12 @@ class NativeRollout:
         rows = [list(p) for p in prompt_ids for _ in range(n)]
         order = sorted(range(len(rows)), key=lambda r: -len(rows[r]))  # stable: equal prompts stay together
         generator = torch.Generator(device=self.device).manual_seed(seed)
+        # the fast path takes every row at once and keeps batch_size of them decoding (continuous batching);
+        # the Hugging Face loop runs chunks of batch_size rows
+        chunk = len(rows) if self._fast is not None else self.batch_size
         pieces = []
-        for start in range(0, len(rows), self.batch_size):
-            idx = order[start:start + self.batch_size]
+        for start in range(0, len(rows), chunk):
+            idx = order[start:start + chunk]
             pieces.append((idx, self._generate_chunk([rows[r] for r in idx], temperature=temperature,
                                                      top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                                                      generator=generator)))
