@@ -72,6 +72,11 @@ ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 _DECODE = CompileGroup("the rollout's compiled decode layers")  # CUDA; eager layer code if compiling fails
 
 
+def size(n: float) -> str:
+    """Bytes as GiB (MiB below 0.1 GiB), for messages."""
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 / 10 else f"{n / 2 ** 20:.2f} MiB"
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """Batch sizes that get a CUDA graph: powers of two below ``max_batch``, then ``max_batch``."""
     buckets = [1 << i for i in range(max_batch.bit_length()) if (1 << i) < max_batch]
@@ -208,7 +213,7 @@ class FastDecoder:
         buffers = rows * self.vocab * 4 * 2 + (out_rows + 1) * slots * (8 + 4 + 4) + rows * 64
         hidden = self.inner.embed_tokens.weight.shape[1]
         width = max([f.weight.shape[0] for f in self.fused] + [self.vocab // 8])
-        transient = self.prefill_tokens * (4 * hidden + 2 * width) * item
+        transient = min(self.prefill_tokens, rows * slots) * (4 * hidden + 2 * width) * item
         return {"kv": kv, "buffers": buffers, "transient": transient}
 
     def _available(self) -> int | None:
@@ -226,18 +231,17 @@ class FastDecoder:
         total = sum(need.values())
         if available is None or total <= available:
             return
-        gib = 2 ** 30
-        per_row = need["kv"] / rows / gib
-        fit = max(0, int((available - total + need["kv"]) // (need["kv"] / rows)))
+        per_row = need["kv"] / rows
+        fit = max(0, int((available - total + need["kv"]) // per_row))
         raise MemoryError(
             f"FastDecoder: the KV cache of {rows} sequence slots x {slots} positions (rollout.batch_size x (longest "
-            f"prompt + rollout.max_new_tokens), rounded up to 64) needs {total / gib:.2f} GiB on {self.device} "
-            f"({need['kv'] / gib:.2f} GiB K/V, {per_row:.3f} GiB per slot; {need['buffers'] / gib:.2f} GiB logits "
-            f"and outputs; {need['transient'] / gib:.2f} GiB prefill activations), but {available / gib:.2f} GiB "
-            f"is available. Lower --rollout.batch-size (about {fit} slots fit; queued rows wait for a free slot, "
-            "so fewer slots cost speed, not results), --rollout.max-new-tokens or --data.max-prompt-length, or "
-            "leave more memory to the rollout (--rollout.sleep-level 2 for a colocated actor, "
-            "--rollout.gpu-memory-fraction with pools.colocate)")
+            f"prompt + rollout.max_new_tokens), rounded up to 64) needs {size(total)} on {self.device} "
+            f"({size(need['kv'])} K/V, {size(per_row)} per slot; {size(need['buffers'])} logits and outputs; "
+            f"{size(need['transient'])} prefill activations), but {size(available)} is available. Lower "
+            f"--rollout.batch-size (about {fit} slots fit; queued rows wait for a free slot, so fewer slots cost "
+            "speed, not results), --rollout.max-new-tokens or --data.max-prompt-length, or leave more memory to "
+            "the rollout (--rollout.sleep-level 2 for a colocated actor, --rollout.gpu-memory-fraction with "
+            "pools.colocate)")
 
     def _allocate(self, rows: int, slots: int, out_rows: int) -> None:
         """The cache and every buffer a captured step reads or writes (fixed addresses for the graphs)."""
