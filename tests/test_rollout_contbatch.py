@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 from test_rollout_fast import (
-    CUDA, DEVICES, VOCAB, assert_same, build, early_eos, engine, greedy, responses, teacher_forced_logprobs,
+    CUDA,
+    DEVICES,
+    VOCAB,
+    assert_same,
+    build,
+    early_eos,
+    engine,
+    greedy,
+    responses,
+    teacher_forced_logprobs,
 )
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -77,7 +86,7 @@ def test_sampled_rows_entering_mid_way_are_seeded_and_their_logprobs_exact(root:
     folder = build(root, "qwen2-gqa-untied")
     eos = early_eos(responses(greedy(engine(folder, fast=False), prompts)))
     e = engine(folder, device, eos=eos, batch_size=4)
-    args = dict(n=3, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=24)
+    args = {"n": 3, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "max_new_tokens": 24}
     a, b = e.generate(prompts, seed=11, **args), e.generate(prompts, seed=11, **args)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
     assert not torch.equal(a.response_ids, e.generate(prompts, seed=12, **args).response_ids)
@@ -136,7 +145,7 @@ def test_a_1_5b_shape_allocates_8192_new_tokens_at_batch_256_on_one_gpu(tmp_path
     e = engine(str(tmp_path), "cuda", dtype=torch.bfloat16, batch_size=256)
     torch.cuda.reset_peak_memory_stats()
     rows = torch.randint(3, 1000, (1024, 1024), generator=torch.Generator().manual_seed(0)).tolist()
-    tokens, mask, _, truncated = e._fast.generate_chunk(
+    _, mask, _, truncated = e._fast.generate_chunk(
         rows, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8192, generator=torch.Generator("cuda"),
         eos=e._eos, max_new_per_row=[4] * len(rows))
     assert e._fast.cache.shape[4] == 1024 + 8192 and mask.sum(-1).eq(4).all() and truncated.all()
