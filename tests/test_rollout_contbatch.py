@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_rollout_fast import (
     CUDA,
     DEVICES,
@@ -28,6 +29,7 @@ from test_rollout_fast import (
 )
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from spmd_rl.rollout import fast
 from spmd_rl.rollout.fast import FastDecoder, size
 
 LENGTHS = [5, 13, 2, 9, 17, 7, 11, 3]  # 8 prompts x n = 2: 16 rows on 2 slots
@@ -98,6 +100,38 @@ def test_sampled_rows_entering_mid_way_are_seeded_and_their_logprobs_exact(root:
     assert diff.max() <= (1e-5 if device == "cpu" else 1e-4), f"max log-prob difference {diff.max():.2e}"
 
 
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, enable_gqa, seqused_k):
+    """What flash varlen computes for the decode's call (one query per row), written with SDPA: row ``i``
+    attends over keys ``cu_k[i] .. cu_k[i] + seqused_k[i]`` of the flattened cache."""
+    assert max_q == 1 and enable_gqa and torch.equal(cu_q, torch.arange(len(q) + 1, dtype=torch.int32))
+    assert (seqused_k <= cu_k[1:] - cu_k[:-1]).all() and (seqused_k <= max_k).all()
+    out = []
+    for i in range(len(q)):
+        keys = slice(int(cu_k[i]), int(cu_k[i] + seqused_k[i]))
+        kv_heads = k.shape[1]
+        o = F.scaled_dot_product_attention(q[i].unflatten(0, (kv_heads, -1)), k[keys].transpose(0, 1),
+                                           v[keys].transpose(0, 1), scale=scale)
+        out.append(o.flatten(0, 1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("shape", ["qwen2-gqa-untied", "gemma3-window"])
+def test_the_varlen_attention_call_reads_each_rows_own_entries(root: Path, prompts, shape: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's flash varlen call (each row's keys from past its left padding to its write slot in
+    the flattened cache), run on CPU through an SDPA version of the kernel: greedy with continuous
+    batching equals the HF loop (Gemma 3: its global layer through varlen, its local layers in the ring)."""
+    folder = build(root, shape)
+    eos = early_eos(responses(greedy(engine(folder, fast=False), prompts)))
+    ref = greedy(engine(folder, fast=False, eos=eos, batch_size=3), prompts)
+    monkeypatch.setattr(fast, "varlen_attn", reference_varlen)
+    monkeypatch.setattr(fast, "varlen_works", lambda **kwargs: True)
+    e = engine(folder, eos=eos, batch_size=3)
+    assert e._fast.varlen
+    assert_same(greedy(e, prompts), ref)
+    assert e._fast.refills > 0 and e._fast.compactions > 0
+
+
 def test_a_cache_that_does_not_fit_fails_before_allocating(root: Path, prompts) -> None:
     e = engine(build(root, "qwen2-gqa-untied"), batch_size=4)
     fd = e._fast
@@ -148,7 +182,7 @@ def test_a_1_5b_shape_allocates_8192_new_tokens_at_batch_256_on_one_gpu(tmp_path
     _, mask, _, truncated = e._fast.generate_chunk(
         rows, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8192, generator=torch.Generator("cuda"),
         eos=e._eos, max_new_per_row=[4] * len(rows))
-    assert e._fast.cache.shape[4] == 1024 + 8192 and mask.sum(-1).eq(4).all() and truncated.all()
+    assert e._fast.cache.shape[3] == 1024 + 8192 and mask.sum(-1).eq(4).all() and truncated.all()
     peak = torch.cuda.max_memory_allocated()
     print(f"\npeak {peak / 2 ** 30:.1f} GiB of {torch.cuda.get_device_properties(0).total_memory / 2 ** 30:.1f}")
     assert peak < H200

@@ -66,10 +66,41 @@ from .layers import (
 )
 from .sampling import filter_logits
 
+try:  # flash attention over each row's valid cache entries only (CUDA, bf16 / fp16; torch >= 2.10)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    varlen_attn = None
+
 # SDPA kernels the path may use: masked attention runs the memory-efficient kernel on CUDA (flash takes
 # no mask) and the fused CPU kernel on CPU; a known, graph-capturable choice on every torch version.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _DECODE = CompileGroup("the rollout's compiled decode layers")  # CUDA; eager layer code if compiling fails
+
+
+def varlen_works(*, dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`varlen_attn` runs on this device and dtype with the decode's arguments (one query per
+    row, rows starting past their left padding, ``seqused_k``, grouped KV heads) and agrees with SDPA: a
+    probe, as kernels differ by device, dtype and release."""
+    if varlen_attn is None:
+        return False
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        slots, pad, used = 8, torch.tensor([0, 3], device=device), torch.tensor([5, 4], device=device)
+        q = torch.randn(2, heads, head_dim, generator=gen, device=device).to(dtype)
+        k, v = (torch.randn(2, slots, kv_heads, head_dim, generator=gen, device=device).to(dtype) for _ in range(2))
+        ar = torch.arange(2, device=device)
+        out = varlen_attn(q, k.flatten(0, 1), v.flatten(0, 1), (torch.arange(3, device=device)).int(),
+                          torch.cat([ar * slots + pad, ar.new_full((1,), 2 * slots)]).int(), 1, slots,
+                          enable_gqa=True, seqused_k=used.int())
+        for i in range(2):
+            keys = slice(int(pad[i]), int(pad[i] + used[i]))
+            ref = F.scaled_dot_product_attention(
+                q[i].unflatten(0, (kv_heads, -1)), k[i, keys].transpose(0, 1), v[i, keys].transpose(0, 1))
+            if not torch.allclose(out[i].float(), ref.flatten(0, 1).float(), atol=2e-2, rtol=0):
+                return False
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+    return True
 
 
 def size(n: float) -> str:
@@ -163,6 +194,10 @@ class FastDecoder:
         # offsets on the host (measured: torch 2.11, H200), as the experts loop does
         self.use_graphs = self.device.type == "cuda" and (moe is None or compile_moe)
         self.check_every = 4 if self.use_graphs else 1
+        # full-length layers attend with flash varlen over each row's own entries (left padding skipped,
+        # nothing past its write slot read) where the kernel runs; else masked SDPA over the step's span
+        self.varlen = varlen_works(dtype=self.inner.embed_tokens.weight.dtype, device=self.device, heads=self.heads,
+                                   kv_heads=self.kv_heads, head_dim=self.head_dim)
         self.cache: torch.Tensor | None = None  # the full-length layers' K/V
         self.ring: torch.Tensor | None = None  # the windowed layers' K/V (window-sized)
         self._shape: tuple[int, int, int] | None = None  # (rows, slots, output rows) of the last cache, for restore()
@@ -247,7 +282,9 @@ class FastDecoder:
         """The cache and every buffer a captured step reads or writes (fixed addresses for the graphs)."""
         dtype, dev = self.inner.embed_tokens.weight.dtype, self.device
         windowed = sum(w is not None for w in self.windows)
-        self.cache = torch.zeros(len(self.layers) - windowed, 2, rows, self.kv_heads, slots, self.head_dim,
+        # [layers, K/V, rows, slots, kv_heads, head_dim]: a row's entries are one run of (slot, head) pairs,
+        # the layout flash varlen reads; SDPA reads the same memory as [rows, kv_heads, slots, head_dim]
+        self.cache = torch.zeros(len(self.layers) - windowed, 2, rows, slots, self.kv_heads, self.head_dim,
                                  dtype=dtype, device=dev)
         self.ring = torch.zeros(windowed, 2, rows, self.kv_heads, min(self.window or 0, slots), self.head_dim,
                                 dtype=dtype, device=dev)
@@ -259,7 +296,7 @@ class FastDecoder:
         self._wpos = torch.zeros(rows, **long)      # the slot each row's next forward writes
         self._ncol = torch.zeros(rows, **long)      # the output column each row's next sample writes
         self._limit = torch.ones(rows, **long)      # each row's most new tokens
-        self._ar = torch.arange(rows, **long)
+        self._ar = torch.arange(rows + 1, **long)
         self._row_of = torch.zeros(rows, **long)    # output row of each cache row (the spare row for spares)
         self._finished = torch.ones(rows, dtype=torch.bool, device=dev)
         self._temp = torch.ones(1, dtype=torch.float32, device=dev)  # logits are divided by it
@@ -319,7 +356,7 @@ class FastDecoder:
         torch.logsumexp(scaled, dim=-1, out=self._lse[:rows])
 
     def _kv(self, i: int) -> torch.Tensor:
-        """Layer ``i``'s K/V, ``[2, rows, kv_heads, slots or ring size, head_dim]``."""
+        """Layer ``i``'s K/V: ``[2, rows, slots, kv_heads, head_dim]``, in a ring ``[2, rows, kv_heads, R, head_dim]``."""
         in_ring, j = self._kv_of[i]
         return self.ring[j] if in_ring else self.cache[j]
 
@@ -359,8 +396,8 @@ class FastDecoder:
                 kv[0][at] = k[:, :, last].transpose(1, 2)
                 kv[1][at] = v[:, :, last].transpose(1, 2)
             else:
-                kv[0][dest, :, :length] = k
-                kv[1][dest, :, :length] = v
+                kv[0][dest, :length] = k.transpose(1, 2)
+                kv[1][dest, :length] = v.transpose(1, 2)
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[self.windows[i]], scale=self.scaling)
@@ -379,7 +416,7 @@ class FastDecoder:
         # Additive masks [rows, 1, 1, span or ring size], built once per step, broadcast over KV heads and
         # query groups. Ring entry j holds the latest slot s <= the row's write slot with s % R == j; it counts
         # when that slot is one of the row's (not left padding) and fewer than the layer's window back.
-        bias = {None: self._biases(valid, {None: None}, x.dtype)[None][:, None, None, :]}
+        bias = {} if self.varlen else {None: self._biases(valid, {None: None}, x.dtype)[None][:, None, None, :]}
         if self.window is not None:
             ring = self.ring.shape[4]
             seen = min(span, ring)  # span <= R: every written slot s < span sits at ring index s
@@ -390,19 +427,31 @@ class FastDecoder:
             ring_at = wpos % ring
         tables = [(self._cos[t][pos][:, None], self._sin[t][pos][:, None]) for t in range(len(self.rope_keys))]
         rows_at = self._ar[:rows]
+        if self.varlen:  # each row's keys: its slots pad..wpos in the flattened [rows * slots] cache
+            starts = self._ar[:rows + 1] * self.cache.shape[3]
+            starts[:rows] += self._pad[:rows]
+            starts, queries = starts.int(), self._ar[:rows + 1].int()  # one query per row
+            used = (wpos - self._pad[:rows] + 1).int()
         for i in range(len(self.layers)):
             cos, sin = tables[self.rope_of[i]]  # [rows, 1, D]
             qk, v = self._in(i, x, cos, sin, self._step_in)
             kv = self._kv(i)
             k_cache, v_cache = kv[0, :rows], kv[1, :rows]
-            in_ring = self._kv_of[i][0]
-            at = ring_at if in_ring else wpos
-            k_cache[rows_at, :, at] = qk[:, self.heads:]  # each row writes its own slot: [rows, Hkv, D]
-            v_cache[rows_at, :, at] = v
-            width = seen if in_ring else span
+            if self._kv_of[i][0]:  # the ring: [rows, kv_heads, R, head_dim]
+                k_cache[rows_at, :, ring_at] = qk[:, self.heads:]  # each row writes its own slot: [rows, Hkv, D]
+                v_cache[rows_at, :, ring_at] = v
+                k_cache, v_cache = k_cache[:, :, :seen], v_cache[:, :, :seen]
+            else:  # [rows, slots, kv_heads, head_dim]
+                k_cache[rows_at, wpos] = qk[:, self.heads:]
+                v_cache[rows_at, wpos] = v
+                if self.varlen:
+                    o = varlen_attn(qk[:, :self.heads], k_cache.flatten(0, 1), v_cache.flatten(0, 1), queries, starts,
+                                    1, span, scale=self.scaling, enable_gqa=True, seqused_k=used)
+                    x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
+                    continue
+                k_cache, v_cache = k_cache[:, :span].transpose(1, 2), v_cache[:, :span].transpose(1, 2)
             q = qk[:, :self.heads].unflatten(1, (self.kv_heads, self.group))  # query heads of one KV head together
-            o = F.scaled_dot_product_attention(q, k_cache[:, :, :width], v_cache[:, :, :width],
-                                               attn_mask=bias[self.windows[i]], scale=self.scaling)
+            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias[self.windows[i]], scale=self.scaling)
             x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
         self._head(x, rows)
         live = (~self._finished[:rows]).long()  # finished rows keep their slot: writes stay inside the cache
