@@ -1,5 +1,5 @@
 """Fast decode for the families of :data:`spmd_rl.models.families.FAMILIES` (Llama 3.x, Mistral, Qwen2, Qwen3,
-Qwen3-MoE, Gemma 3 text): static KV cache, graph-captured step, compaction.
+Qwen3-MoE, Gemma 3 text): slot-based KV cache, continuous batching, graph-captured step, compaction.
 
     fast = FastDecoder(hf_model, device=device, max_batch=64, pad_token_id=0)    # see unsupported_reason()
     tokens, mask, logprobs, truncated = fast.generate_chunk(rows, temperature=1.0, top_k=0, top_p=1.0,
@@ -12,42 +12,57 @@ one change made at construction: the q/k/v projections, and the MLP's gate/up pr
 one GEMM each (:class:`Fused`): their weights are rows of one tensor and the HF parameters are views
 of it, so ``load_weights`` (in-place copies by HF name) and the HF loop keep working unchanged.
 
-How a chunk of ``b`` left-padded rows runs:
+How a call of ``b`` rows runs (any ``b``; ``max_batch``, i.e. ``rollout.batch_size``, decode at once):
 
-* the KV cache is ONE tensor ``[layers, 2, rows, kv_heads, slots, head_dim]``, allocated for the
-  largest batch bucket used so far and ``slots = longest prompt + max_new_tokens`` rounded up to 64
-  (both grow only); sleep frees it. Slot ``s`` holds position ``s - pad`` of a row that has ``pad``
-  left-padding slots, so every row writes the same slot at each step;
-* prefill: the prompts go through in row groups of at most ``prefill_tokens`` tokens, causal +
-  padding mask (a padding query also sees itself, so no softmax row is empty), K/V written to slots
-  ``0..P-1``; only the last position's logits are computed;
+* the KV cache is slot-based: ``cache [full-length layers, 2, rows, slots, kv_heads, head_dim]``, one
+  cache row (a sequence slot) per decoding row, ``rows`` = the largest batch bucket used so far,
+  ``slots = longest prompt + max_new_tokens`` rounded up to 64 (both grow only); sleep frees it. A row
+  holds its left-padded prompt at slots ``0..P-1`` (``pad`` slots of padding first) and writes its
+  ``t``-th new token at slot ``P + t``: every row has its own write slot and position. Paged blocks
+  would let rows share memory by their actual lengths, but need a block-table attention kernel on
+  every device (CPU included) and a gather per step; slots keep one contiguous run per row, which
+  both masked SDPA and flash varlen read in place, and a queued row reserves nothing until it gets
+  a slot. Before allocating, the cache's bytes are checked against the device's free memory
+  (:meth:`FastDecoder.memory_needed`): too little fails with the numbers and the flags to change;
+* continuous batching: the first ``max_batch`` rows are prefilled; the others queue in the order
+  given. Whenever at least ``refill_fraction`` of the slots (or all) are finished, the next queued rows
+  are prefilled into those slots, while the other rows keep decoding. Once the queue is empty, the
+  live rows move to the front when they fit a smaller bucket (compaction: their K/V, logits and
+  counters, order kept; slots past them are spares writing to a spare output row);
+* prefill: rows go through in groups of at most ``prefill_tokens`` tokens, each left-padded to its
+  longest prompt, causal + padding mask (a padding query also sees itself, so no softmax row is
+  empty), K/V written to the group's cache rows; only the last position's logits are computed;
 * a step (:meth:`FastDecoder._step_body`) first SAMPLES from the logits the previous step left in
-  a static buffer and records the token, its log-prob and the live mask in static output buffers at
-  the step's column, then runs the decode FORWARD of that token: embed, per layer fused RMSNorm /
-  one q,k,v GEMM / RoPE on q and k together (a table gathered by each row's position) / write slot /
-  SDPA over all slots with the row's valid-slot mask (query heads grouped by their KV head, so GQA
-  needs no K/V copy) / o_proj / RMSNorm / one gate,up GEMM / down_proj, then norm, ``lm_head``,
-  ``/ T`` and ``logsumexp`` into the logits buffer. Family differences (:mod:`spmd_rl.rollout.layers`):
-  Qwen3 / Gemma 3 normalise each q and k head; Gemma 3 scales norms by ``1 + w``, normalises the
-  attention and MLP outputs too, embeds times ``sqrt(hidden)`` (its embedding module), soft-caps the
-  final logits when configured and reads a RoPE table per layer type (local and global bases);
-  Qwen3-MoE layers route each token to its top-k experts through grouped GEMMs (:func:`moe_mlp`);
+  a static buffer and records the token, its log-prob and the live mask at each live row's own
+  output column (a row finishes at an EOS id or its own length limit), then runs the decode
+  FORWARD of that token: embed, per layer fused RMSNorm / one q,k,v GEMM / RoPE on q and k together
+  (a table gathered by each row's position) / write each row's slot / attention / o_proj / RMSNorm /
+  one gate,up GEMM / down_proj, then norm, ``lm_head``, ``/ T`` and ``logsumexp`` into the logits
+  buffer. Attention of the full-length layers: on CUDA in bf16 / fp16, flash varlen over each row's
+  own entries (from past its padding to its write slot: a long row costs only itself), else SDPA
+  over the step's SPAN (slots ``0..span-1``, a power of two above every write slot) with the row's
+  valid-slot mask (query heads grouped by their KV head, so GQA needs no K/V copy). Family
+  differences (:mod:`spmd_rl.rollout.layers`): Qwen3 / Gemma 3 normalise each q and k head; Gemma 3
+  scales norms by ``1 + w``, normalises the attention and MLP outputs too, embeds times
+  ``sqrt(hidden)`` (its embedding module), soft-caps the final logits when configured and reads a
+  RoPE table per layer type (local and global bases); Qwen3-MoE layers route each token to its
+  top-k experts through grouped GEMMs (:func:`moe_mlp`);
 * sliding-window layers (Gemma 3's local layers, Mistral, Qwen2 with ``use_sliding_window``) keep a
   window-sized ring cache of their own (``ring [windowed layers, 2, rows, kv_heads, min(window, slots),
   head_dim]``): slot ``s`` lives at ring index ``s % R``, so a step overwrites the entry that just left
-  the window, and the mask keeps the entries whose slot is inside the row and the window. The other
-  layers' cache (``cache``, full length) holds the global layers only; a prefill longer than the window
-  writes its last ``R`` slots to the ring; On CUDA the whole step, sampling included, is one
-  CUDA graph per batch bucket and sampling setting; the host only draws the step's uniforms and
-  replays it;
+  the window, and the mask keeps the entries whose slot is inside the row and the window. A prefill
+  longer than the window writes its last ``R`` slots to the ring;
+* on CUDA the whole step, sampling included, is one CUDA graph per (batch bucket, span, sampling
+  setting): refills and compactions only rewrite the buffers the graphs read, so they recapture
+  nothing; the host draws the step's uniforms and replays. :meth:`FastDecoder.capture_graphs`
+  captures every bucket and span ahead of a call;
 * sampling is by inverse CDF: one uniform ``u`` per row (drawn from the caller's ``torch.Generator``,
   outside the graph) picks the first token whose cumulative probability exceeds ``u``; top-k / top-p
   filter ``z = logits / T`` first. Greedy is argmax. The log-prob is ``z[tok] - logsumexp(z)``, i.e.
   ``log_softmax(logits / T)`` before filtering, float32;
-* every ``check_every`` steps (1 on CPU, 4 on CUDA: it costs a host sync) the live rows are counted:
-  all finished ends the chunk; if they fit a smaller bucket, the live rows' K/V, logits and counters
-  move to the front (order kept) and the smaller bucket's graph runs from then on. Slots past the
-  live rows write their outputs to a spare row that is dropped.
+* every ``check_every`` steps (1 on CPU, 4 on CUDA: it costs a host sync) the live rows and the
+  highest write slot are read: the queue refills, the live rows compact, or the call ends when no
+  row is live and none queues.
 """
 
 from __future__ import annotations
@@ -89,8 +104,9 @@ def varlen_works(*, dtype: torch.dtype, device: torch.device, heads: int, kv_hea
         q = torch.randn(2, heads, head_dim, generator=gen, device=device).to(dtype)
         k, v = (torch.randn(2, slots, kv_heads, head_dim, generator=gen, device=device).to(dtype) for _ in range(2))
         ar = torch.arange(2, device=device)
+        # max_k: the step's span, below the rows' cache length as in the decode
         out = varlen_attn(q, k.flatten(0, 1), v.flatten(0, 1), (torch.arange(3, device=device)).int(),
-                          torch.cat([ar * slots + pad, ar.new_full((1,), 2 * slots)]).int(), 1, slots,
+                          torch.cat([ar * slots + pad, ar.new_full((1,), 2 * slots)]).int(), 1, 6,
                           enable_gqa=True, seqused_k=used.int())
         for i in range(2):
             keys = slice(int(pad[i]), int(pad[i] + used[i]))
@@ -205,6 +221,7 @@ class FastDecoder:
         self._pool = None
         self.compactions = 0  # how many times live rows moved to a smaller bucket (tests read it)
         self.refills = 0  # how many times queued rows were prefilled into freed slots (tests read it)
+        self.steps = 0  # decode steps run (the benchmark reads it: tokens / (steps x slots) = occupancy)
         # refill once this share of the bucket's slots is free (or none is live): fewer, larger prefills
         self.refill_fraction = 1 / 16
         # bytes the cache and buffers may take; None = what the device has free (CUDA), no check on CPU
@@ -445,7 +462,7 @@ class FastDecoder:
                 k_cache[rows_at, wpos] = qk[:, self.heads:]
                 v_cache[rows_at, wpos] = v
                 if self.varlen:
-                    o = varlen_attn(qk[:, :self.heads], k_cache.flatten(0, 1), v_cache.flatten(0, 1), queries, starts,
+                    o = varlen_attn(qk[:, :self.heads].contiguous(), k_cache.flatten(0, 1), v_cache.flatten(0, 1), queries, starts,
                                     1, span, scale=self.scaling, enable_gqa=True, seqused_k=used)
                     x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
                     continue
@@ -542,6 +559,26 @@ class FastDecoder:
         at most the cache's length (one graph per bucket and span)."""
         return min(max(128, 1 << max(n - 1, 1).bit_length()), self._shape[1])
 
+    def capture_graphs(self, *, temperature: float, top_k: int, top_p: float) -> int:
+        """Capture the step of every batch bucket and attention span of the current cache for this sampling
+        setting now (CUDA; after a call has sized the cache), so that no capture falls inside a later
+        call; returns how many graphs were new."""
+        if not self.use_graphs or self.cache is None:
+            return 0
+        mode = (True, 0, 1.0) if temperature == 0 else (False, top_k, top_p)
+        spans, n = set(), 128
+        while n < 2 * self._shape[1]:
+            spans.add(self.span(n))
+            n *= 2
+        new = 0
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            for rows in (b for b in self.buckets if b <= self._shape[0]):
+                for span in sorted(spans):
+                    if (rows, span, *mode) not in self._graphs:
+                        self._capture(rows, span, mode)
+                        new += 1
+        return new
+
     def generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
         generator: torch.Generator, eos: torch.Tensor, max_new_per_row: list[int] | None = None,
@@ -597,6 +634,7 @@ class FastDecoder:
                 self._u[:cur].uniform_(generator=generator)
             self._step(cur, span, mode)
             step += 1
+            self.steps += 1
             if step % self.check_every:
                 continue
             finished = self._finished[:cur]
