@@ -240,6 +240,7 @@ class FastDecoder:
     def restore(self) -> None:
         """Reallocate the cache of the last shape (after :meth:`release`); graphs are recaptured on use."""
         if self.cache is None and self._shape is not None:
+            self._check_memory(*self._shape)
             self._allocate(*self._shape)
 
     def _ensure_cache(self, rows: int, slots: int, out_rows: int) -> None:
