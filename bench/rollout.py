@@ -31,7 +31,8 @@ The bandwidth ceiling is rows / (bytes a decode step must read / ``--bandwidth``
 uses (every linear layer, the norms, the ``lm_head``; of the routed experts the share a batch of that
 many rows is expected to hit) plus the K/V of the mean context (prompt + half the new tokens), in the
 model dtype. "graph ms" is one fixed-mix decode step alone (its CUDA graph replayed 32 times: no host
-work) and "TB/s" the bytes it reads (weights + the K/V it attends over) per second.
+work) and "TB/s" the bytes it reads (weights + the K/V it attends over: each row's own entries with
+flash varlen, the step's span of slots with SDPA) per second.
 ``--out`` writes the rows as JSON.
 """
 
@@ -182,7 +183,8 @@ class Bench:
             fd._ncol.zero_()
             graph = fd._graphs[key]
             replay_ms = 1e3 * timed(lambda: [graph.replay() for _ in range(32)], device) / 32
-            replay_tb_s = bytes_per_step(self.model, rows=batch, context=span) / (replay_ms / 1e3) / 1e12
+            read = args.prompt_len + 1 if fd.varlen else span  # flash varlen reads each row's own entries only
+            replay_tb_s = bytes_per_step(self.model, rows=batch, context=read) / (replay_ms / 1e3) / 1e12
         hf, hf_tokens = None, 0
         if batch <= args.generate_max_batch:
             ids = prompts.to(device)
@@ -214,6 +216,7 @@ class Bench:
         u = torch.rand(rows, generator=torch.Generator().manual_seed(0))
         limits = (u * (hi - lo) + lo).exp().round().clamp(args.longtail_min, args.longtail_max).long().tolist()
         slots, note = batch, ""
+        fd.release()  # the cache is sized for this mix alone (not for a larger fixed batch before it)
         while True:
             fd.buckets = batch_buckets(slots)
             try:  # size the cache for the mix (one token per row), then capture every bucket and span
