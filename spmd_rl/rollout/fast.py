@@ -374,7 +374,7 @@ class FastDecoder:
         torch.logsumexp(scaled, dim=-1, out=self._lse[:rows])
 
     def _kv(self, i: int) -> torch.Tensor:
-        """Layer ``i``'s K/V: ``[2, rows, slots, kv_heads, head_dim]``, in a ring ``[2, rows, kv_heads, R, head_dim]``."""
+        """Layer ``i``'s K/V: ``[2, rows, slots, kv_heads, head_dim]`` (a ring: ``[2, rows, kv_heads, R, D]``)."""
         in_ring, j = self._kv_of[i]
         return self.ring[j] if in_ring else self.cache[j]
 
@@ -428,13 +428,15 @@ class FastDecoder:
         """The decode forward of ``_tok`` for cache rows ``0..rows-1``, attending over slots ``0..span-1``
         (``span`` > every row's write slot); advances the live rows' positions and write slots."""
         pos, wpos = self._pos[:rows], self._wpos[:rows]
-        slots = self._slots[:span]
-        valid = (slots[None, :] >= self._pad[:rows, None]) & (slots[None, :] <= wpos[:, None])
         x = self.inner.embed_tokens(self._tok[:rows])
         # Additive masks [rows, 1, 1, span or ring size], built once per step, broadcast over KV heads and
         # query groups. Ring entry j holds the latest slot s <= the row's write slot with s % R == j; it counts
         # when that slot is one of the row's (not left padding) and fewer than the layer's window back.
-        bias = {} if self.varlen else {None: self._biases(valid, {None: None}, x.dtype)[None][:, None, None, :]}
+        bias = {}
+        if not self.varlen:  # the full-length layers' mask: the row's slots from past its padding to its write slot
+            slots = self._slots[:span]
+            valid = (slots[None, :] >= self._pad[:rows, None]) & (slots[None, :] <= wpos[:, None])
+            bias[None] = self._biases(valid, {None: None}, x.dtype)[None][:, None, None, :]
         if self.window is not None:
             ring = self.ring.shape[4]
             seen = min(span, ring)  # span <= R: every written slot s < span sits at ring index s
@@ -463,8 +465,8 @@ class FastDecoder:
                 k_cache[rows_at, wpos] = qk[:, self.heads:]
                 v_cache[rows_at, wpos] = v
                 if self.varlen:
-                    o = varlen_attn(qk[:, :self.heads].contiguous(), k_cache.flatten(0, 1), v_cache.flatten(0, 1), queries, starts,
-                                    1, span, scale=self.scaling, enable_gqa=True, seqused_k=used)
+                    o = varlen_attn(qk[:, :self.heads].contiguous(), k_cache.flatten(0, 1), v_cache.flatten(0, 1),
+                                    queries, starts, 1, span, scale=self.scaling, enable_gqa=True, seqused_k=used)
                     x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
                     continue
                 k_cache, v_cache = k_cache[:, :span].transpose(1, 2), v_cache[:, :span].transpose(1, 2)
