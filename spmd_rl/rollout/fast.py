@@ -265,7 +265,7 @@ class FastDecoder:
         kv = per_slot * rows * ((len(self.layers) - windowed) * slots + windowed * min(self.window or 0, slots))
         buffers = rows * self.vocab * 4 * 2 + (out_rows + 1) * slots * (8 + 4 + 4) + rows * 64
         hidden = self.inner.embed_tokens.weight.shape[1]
-        width = max([f.weight.shape[0] for f in self.fused] + [self.vocab // 8])
+        width = max([f.weight.shape[0] for f in self.fused] + [hidden])  # the widest GEMM output (gate/up: 2 x MLP)
         transient = min(self.prefill_tokens, rows * slots) * (4 * hidden + 2 * width) * item
         return {"kv": kv, "buffers": buffers, "transient": transient}
 
