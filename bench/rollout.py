@@ -1,24 +1,38 @@
-"""Rollout throughput: the built-in fast decode (NativeRollout) vs plain ``transformers.generate``, one process.
+"""Rollout throughput: the built-in fast decoder vs plain ``transformers.generate``, one process, one table.
 
-    python bench/rollout.py                                    # GPU: Qwen2-0.5B shape, bf16, batch 64 256 1024
-    python bench/rollout.py --shape tiny --batches 4 8 --prompt-len 16 --new-tokens 16   # CPU smoke run
+    python bench/rollout.py                              # GPU: the four shapes below, batch 64 and 256 (~8 min, H200)
+    python bench/rollout.py --shapes qwen3-0.6b --batches 256 --mixes fixed      # a subset
+    python bench/rollout.py --shapes tiny tiny-moe --batches 4 8 --prompt-len 16 --new-tokens 16 \\
+        --longtail-min 4 --longtail-max 32 --longtail-batches 4    # CPU smoke run
 
-Both sides get the same random-weight model (built from a config, no download), the same random
-prompts of ``--prompt-len`` tokens and sample ``--new-tokens`` tokens at temperature 1 (top-k 0,
-top-p 1) with EOS ignored (generate: ``min_new_tokens``; the engine: an EOS id outside the
-vocabulary), so every row produces exactly ``--new-tokens`` tokens. tok/s = rows x new tokens /
-wall time of one call after a warm-up call (the engine's warm-up call captures its CUDA graphs;
-its time is shown as "first call"). "after sleep" is a call right after ``sleep(1)`` +
-``wake_up()``, which frees and reallocates the KV cache and recaptures the graphs, as in training.
-``generate`` above ``--generate-max-batch`` rows is skipped, and a call that runs past
-``--generate-max-time`` stops there (its tok/s then counts the tokens it made; the table says so).
+Shapes (random weights from transformers' config classes, bf16 on CUDA, fp32 on CPU; no download):
+Qwen3-0.6B, Qwen3-1.7B, Qwen2.5-7B, ``qwen3-moe`` (Qwen3-30B-A3B's layer, 24 of its 48 layers: 15B
+parameters, 128 experts, top-8, so it fits one GPU), the older ``qwen2-0.5b``, and ``tiny`` /
+``tiny-moe`` for CPU runs. One model object serves both sides: the fast decoder's fused GEMMs are
+views of the HF parameters, so ``generate`` runs on the same weights.
 
-The bandwidth ceiling is rows / (bytes a decode step must read / ``--bandwidth``): the weights a
-step uses (every linear layer, the norms and the ``lm_head``) plus the K/V of the mean context
-(prompt + half the new tokens), in the model dtype. "graph ms" is one decode step alone (its CUDA
-graph, which samples the previous logits and runs the forward, replayed 32 times: no host work),
-"TB/s" the bytes that step reads (weights + K/V of every cache slot, which is what it attends over)
-per second of it.
+Two length mixes, EOS ignored (an EOS id outside the vocabulary), sampling at T=1, top-k 0, top-p 1:
+
+* ``fixed``: ``batch`` rows of ``--prompt-len`` random tokens, each exactly ``--new-tokens`` new
+  tokens. tok/s = rows x new tokens / wall time of one call after a warm-up call (which compiles the
+  decode layers and captures the CUDA graphs: "first call s"). ``generate`` gets the same prompts
+  (``min_new_tokens`` forces the length) unless above ``--generate-max-batch`` rows; a call past
+  ``--generate-max-time`` stops there and its tok/s counts the tokens it made (the note says so).
+* ``longtail``: ``--longtail-queue`` x ``batch`` rows on ``batch`` sequence slots (continuous batching:
+  a finished row's slot takes the next queued row), each row's length drawn log-uniform in
+  ``[--longtail-min, --longtail-max]`` (seed 0) and forced by per-row limits. Its graphs (every
+  bucket and attention span) are captured before the timed call ("capture s"). "of fixed" = its tok/s
+  over the fixed mix's at the same batch; "occupancy" = tokens / (decode steps x slots). By default
+  each shape runs it at the batch of its goal (64 for the 7B and MoE shapes, 256 for the others);
+  ``--longtail-batches`` picks others. When the cache of ``batch`` slots x (prompt + longest length)
+  does not fit, the slots halve until it does (the note says so).
+
+The bandwidth ceiling is rows / (bytes a decode step must read / ``--bandwidth``): the weights a step
+uses (every linear layer, the norms, the ``lm_head``; of the routed experts the share a batch of that
+many rows is expected to hit) plus the K/V of the mean context (prompt + half the new tokens), in the
+model dtype. "graph ms" is one fixed-mix decode step alone (its CUDA graph replayed 32 times: no host
+work) and "TB/s" the bytes it reads (weights + the K/V it attends over: each row's own entries with
+flash varlen, the step's span of slots with SDPA) per second.
 ``--out`` writes the rows as JSON.
 """
 
@@ -26,36 +40,86 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spmd_rl.rollout import NativeRollout  # noqa: E402
+from spmd_rl.rollout.fast import FastDecoder, batch_buckets  # noqa: E402
 
+QWEN3 = (Qwen3Config, Qwen3ForCausalLM)
+COMMON = dict(max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False)
 SHAPES = {
+    # Qwen3-0.6B: 28 layers, hidden 1024, 16 heads / 8 KV heads of 128, MLP 3072, vocab 151936, tied.
+    "qwen3-0.6b": (*QWEN3, dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
+    # Qwen3-1.7B: 28 layers, hidden 2048, 16 heads / 8 KV heads of 128, MLP 6144, vocab 151936, tied.
+    "qwen3-1.7b": (*QWEN3, dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
+    # Qwen2.5-7B: 28 layers, hidden 3584, 28 heads / 4 KV heads of 128, MLP 18944, vocab 152064, untied.
+    "qwen2.5-7b": (Qwen2Config, Qwen2ForCausalLM, dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, tie_word_embeddings=False)),
+    # Qwen3-30B-A3B's layers (hidden 2048, 32 heads / 4 KV heads of 128, 128 experts of 768, top-8,
+    # renormalised), 24 of its 48 layers: 15B parameters, 30 GB in bf16.
+    "qwen3-moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, tie_word_embeddings=False)),
     # Qwen2-0.5B: 24 layers, hidden 896, 14 heads / 2 KV heads of 64, MLP 4864, vocab 151936, tied.
-    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True),
+    "qwen2-0.5b": (Qwen2Config, Qwen2ForCausalLM, dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, tie_word_embeddings=True)),
+    "tiny": (*QWEN3, dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+    "tiny-moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, tie_word_embeddings=True)),
 }
+DEFAULT_SHAPES = ["qwen3-0.6b", "qwen3-1.7b", "qwen2.5-7b", "qwen3-moe"]
+LONGTAIL_BATCH = {"qwen2.5-7b": 64, "qwen3-moe": 64}  # the issue's goal batch of each shape; 256 otherwise
 
 
-def bytes_per_step(config: Qwen2Config, *, rows: int, context: float, dtype_bytes: int) -> float:
-    h, layers, heads, kv_heads = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-                                  config.num_key_value_heads)
-    head_dim = h // heads
-    per_layer = h * head_dim * (2 * heads + 2 * kv_heads) + 3 * h * config.intermediate_size + 2 * h
-    weights = layers * per_layer + config.vocab_size * h + h
-    kv = rows * layers * 2 * kv_heads * head_dim * context
-    return (weights + kv) * dtype_bytes
+def build_model(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    config_cls, model_cls, kwargs = SHAPES[shape]
+    config = config_cls(**COMMON, **kwargs)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialised in the model dtype: no float32 copy of a 15B model
+    try:
+        with torch.device(device):
+            model = model_cls(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    return model.requires_grad_(False)
+
+
+def bytes_per_step(model: torch.nn.Module, *, rows: int, context: float) -> float:
+    """Bytes one decode step of ``rows`` rows reads: the weights it uses (routed experts: the share a batch of
+    ``rows`` tokens is expected to hit) and the K/V of ``context`` positions per row, model dtype."""
+    config = model.config
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    total = 0.0
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if name.endswith("embed_tokens.weight") and not tied:
+            continue  # only the rows of the batch's tokens are read
+        share = 1.0
+        if ".experts." in name:
+            k, e = config.num_experts_per_tok, config.num_experts
+            share = 1 - (1 - k / e) ** rows
+        total += p.numel() * p.element_size() * share
+    attn = model.model.layers[0].self_attn
+    item = model.model.embed_tokens.weight.element_size()
+    kv = rows * config.num_hidden_layers * 2 * config.num_key_value_heads * attn.head_dim * context * item
+    return total + kv
 
 
 def timed(fn, device: torch.device) -> float:
@@ -68,119 +132,197 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+class Bench:
+    """One shape's model, its fast decoder and the calls the table times."""
+
+    def __init__(self, shape: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
+        self.shape, self.args, self.device = shape, args, device
+        self.model = build_model(shape, device, dtype)
+        self.vocab = self.model.config.vocab_size
+        self.fd = FastDecoder(self.model, device=device, max_batch=max(args.batches + (args.longtail_batches or [])),
+                              pad_token_id=0, compile_layers=args.compile_decode and device.type == "cuda")
+        if not args.varlen:
+            self.fd.varlen = False
+        self.eos = torch.tensor([self.vocab], device=device)  # an id the model cannot produce: EOS ignored
+        self.sample = dict(temperature=1.0, top_k=0, top_p=1.0)
+        self.fixed_tok_s: dict[int, float] = {}
+
+    def call(self, prompts: list[list[int]], *, max_new: int, limits: list[int] | None = None, seed: int = 0):
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        return self.fd.generate_chunk(prompts, max_new_tokens=max_new, generator=gen, eos=self.eos,
+                                      max_new_per_row=limits, **self.sample)
+
+    def prompts(self, rows: int, seed: int) -> torch.Tensor:
+        return torch.randint(3, self.vocab, (rows, self.args.prompt_len), generator=torch.Generator().manual_seed(seed))
+
+    def fixed(self, batch: int) -> dict:
+        args, fd, device = self.args, self.fd, self.device
+        fd.buckets = batch_buckets(batch)
+        prompts = self.prompts(batch, seed=batch)
+        plist, note = prompts.tolist(), ""
+        try:
+            first = timed(lambda: self.call(plist, max_new=args.new_tokens), device)
+        except Exception as exc:  # keep the rest of the table: measure the eager fast path instead
+            note = f"CUDA graphs failed ({type(exc).__name__}: {exc}); eager fast path"
+            print(note, flush=True)
+            fd.release()
+            fd.use_graphs = False
+            first = timed(lambda: self.call(plist, max_new=args.new_tokens), device)
+        out = {}
+        fast = timed(lambda: out.setdefault("fast", self.call(plist, max_new=args.new_tokens, seed=1)), device)
+        assert out["fast"][1].sum(-1).eq(args.new_tokens).all(), "EOS was not ignored"
+        tokens = batch * args.new_tokens
+        self.fixed_tok_s[batch] = tokens / fast
+        replay_ms = replay_tb_s = None
+        keys = [k for k in fd._graphs if k[0] == batch and k[2:] == (False, 0, 1.0)]
+        if fd.use_graphs and keys:  # the decode step alone: replay its graph (the call's last span), no host work
+            key = max(keys, key=lambda k: k[1])
+            span = key[1]
+            fd._wpos[:batch].fill_(args.prompt_len)  # writes stay at slot prompt_len; attention over the span
+            fd._pos[:batch].fill_(args.prompt_len)
+            fd._ncol.zero_()
+            graph = fd._graphs[key]
+            replay_ms = 1e3 * timed(lambda: [graph.replay() for _ in range(32)], device) / 32
+            read = args.prompt_len + 1 if fd.varlen else span  # flash varlen reads each row's own entries only
+            replay_tb_s = bytes_per_step(self.model, rows=batch, context=read) / (replay_ms / 1e3) / 1e12
+        hf, hf_tokens = None, 0
+        if batch <= args.generate_max_batch:
+            ids = prompts.to(device)
+            kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                          pad_token_id=0)
+            with torch.no_grad():
+                self.model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kwargs)  # warm-up
+                hf = timed(lambda: out.setdefault("hf", self.model.generate(
+                    ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                    max_time=args.generate_max_time, **kwargs)), device)
+            made = out["hf"].shape[1] - args.prompt_len
+            hf_tokens = batch * made
+            if made < args.new_tokens:
+                note += f"generate stopped by --generate-max-time after {made} of {args.new_tokens} tokens"
+        context = args.prompt_len + (args.new_tokens - 1) / 2
+        ceiling = batch * args.bandwidth / bytes_per_step(self.model, rows=batch, context=context)
+        return dict(shape=self.shape, mix="fixed", batch=batch, slots=batch, rows=batch, tokens=tokens,
+                    fast_tok_s=tokens / fast, fast_s=fast, ms_per_step=1e3 * fast / args.new_tokens,
+                    graph_replay_ms=replay_ms, graph_replay_tb_s=replay_tb_s, first_call_s=first,
+                    generate_tok_s=hf_tokens / hf if hf else None, generate_s=hf,
+                    ratio=(tokens / fast) / (hf_tokens / hf) if hf else None, ceiling_tok_s=ceiling,
+                    fraction_of_ceiling=tokens / fast / ceiling, of_fixed=None, occupancy=1.0, note=note)
+
+    def longtail(self, batch: int) -> dict:
+        args, fd, device = self.args, self.fd, self.device
+        rows = args.longtail_queue * batch
+        plist = self.prompts(rows, seed=10_000 + batch).tolist()
+        lo, hi = math.log(args.longtail_min), math.log(args.longtail_max)
+        u = torch.rand(rows, generator=torch.Generator().manual_seed(0))
+        limits = (u * (hi - lo) + lo).exp().round().clamp(args.longtail_min, args.longtail_max).long().tolist()
+        slots, note = batch, ""
+        fd.release()  # the cache is sized for this mix alone (not for a larger fixed batch before it)
+        while True:
+            fd.buckets = batch_buckets(slots)
+            try:  # size the cache for the mix (one token per row), then capture every bucket and span
+                self.call(plist, max_new=args.longtail_max, limits=[1] * rows)
+                break
+            except MemoryError as exc:
+                if slots == 1:
+                    raise
+                note = f"{batch} slots do not fit ({str(exc).split(', but ')[0].split('needs ')[-1]}); "
+                slots //= 2
+        if slots < batch:
+            note += f"ran {slots} slots"
+        capture = timed(lambda: fd.capture_graphs(**self.sample), device)
+        steps = fd.steps
+        out = {}
+        elapsed = timed(lambda: out.setdefault("tail", self.call(plist, max_new=args.longtail_max, limits=limits)),
+                        device)
+        steps = fd.steps - steps
+        made = int(out["tail"][1].sum())
+        assert made == sum(limits), f"long-tail rows made {made} tokens, their limits sum to {sum(limits)}"
+        fixed = self.fixed_tok_s.get(batch)
+        return dict(shape=self.shape, mix="longtail", batch=batch, slots=slots, rows=rows, tokens=made,
+                    fast_tok_s=made / elapsed, fast_s=elapsed, ms_per_step=1e3 * elapsed / steps,
+                    graph_replay_ms=None, graph_replay_tb_s=None, first_call_s=capture, generate_tok_s=None,
+                    generate_s=None, ratio=None, ceiling_tok_s=None, fraction_of_ceiling=None,
+                    of_fixed=made / elapsed / fixed if fixed else None, occupancy=made / (steps * slots), note=note)
+
+    def close(self) -> None:
+        self.fd.release()
+        self.model = self.fd = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def print_table(rows: list[dict]) -> None:
+    def num(v, fmt, width):
+        return f"{v:{width}{fmt}}" if v is not None else f"{'-':>{width}}"
+
+    print(f"\n{'shape':>11} {'mix':>8} {'batch':>5} {'rows':>5} {'fast tok/s':>11} {'ms/step':>8} {'graph ms':>8} "
+          f"{'TB/s':>5} {'generate tok/s':>14} {'ratio':>6} {'ceiling tok/s':>13} {'of ceil':>7} {'of fixed':>8} "
+          f"{'occup':>6} {'warm s':>6}")
+    for r in rows:
+        print(f"{r['shape']:>11} {r['mix']:>8} {r['batch']:5d} {r['rows']:5d} {r['fast_tok_s']:11,.0f} "
+              f"{r['ms_per_step']:8.2f} {num(r['graph_replay_ms'], '.2f', 8)} {num(r['graph_replay_tb_s'], '.2f', 5)} "
+              f"{num(r['generate_tok_s'], ',.0f', 14)} {num(r['ratio'], '.1f', 5)}{'x' if r['ratio'] else ' '} "
+              f"{num(r['ceiling_tok_s'], ',.0f', 13)} {num(r['fraction_of_ceiling'], '.1%', 7)} "
+              f"{num(r['of_fixed'], '.1%', 8)} {r['occupancy']:6.1%} {r['first_call_s']:6.1f}"
+              + (f"  ({r['note']})" if r["note"] else ""))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-0.5b")
-    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--shapes", choices=sorted(SHAPES), nargs="+", default=DEFAULT_SHAPES)
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256], help="batch sizes of the fixed mix")
+    parser.add_argument("--mixes", choices=["fixed", "longtail"], nargs="+", default=["fixed", "longtail"])
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256, help="new tokens of every row of the fixed mix")
+    parser.add_argument("--longtail-batches", type=int, nargs="+", default=None,
+                        help="sequence slots of the long-tail mix (default: 64 for the 7B and MoE shapes, else 256)")
+    parser.add_argument("--longtail-queue", type=int, default=2, help="long-tail rows per slot")
+    parser.add_argument("--longtail-min", type=int, default=64)
+    parser.add_argument("--longtail-max", type=int, default=4096)
     parser.add_argument("--generate-max-batch", type=int, default=1024,
                         help="skip transformers.generate above this many rows")
-    parser.add_argument("--generate-max-time", type=float, default=45.0,
+    parser.add_argument("--generate-max-time", type=float, default=30.0,
                         help="stop a generate call after this many seconds (its max_time) and report the "
                              "tokens it made by then")
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="memory bandwidth, bytes/s (H200: 4.8e12)")
     parser.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=True,
-                        help="the decode layers through torch.compile (NativeRollout's CUDA default)")
+                        help="the decode layers through torch.compile (the CUDA default of the rollout)")
+    parser.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
+                        help="flash varlen attention over each row's own cache entries where it runs (else "
+                             "masked SDPA over the step's span)")
     parser.add_argument("--out", type=str, default=None, help="write the table rows here as JSON")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = Qwen2Config(use_sliding_window=False, **SHAPES[args.shape])
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(dtype).eval()
-    folder = tempfile.mkdtemp(prefix="bench_rollout_")
-    model.save_pretrained(folder)
-    engine = NativeRollout(folder, device=device, dtype=dtype, batch_size=max(args.batches), pad_token_id=0,
-                           eos_token_ids=[config.vocab_size],  # an id the model cannot produce: EOS ignored
-                           compile_decode=None if args.compile_decode else False)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    if engine._fast is None:
-        raise SystemExit("bench/rollout.py: the fast decode path is off for this model (see the warning above)")
-    print(f"device {name}, torch {torch.__version__}, {args.shape} {dtype}, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
-          f"{args.prompt_len} prompt + {args.new_tokens} new tokens, sampling T=1, decode layers "
-          f"{'compiled' if engine._fast.compile_layers else 'eager'}", flush=True)
-
+    print(f"device {name}, torch {torch.__version__}, {dtype}, {args.prompt_len}-token prompts, fixed mix "
+          f"{args.new_tokens} new tokens, long-tail mix {args.longtail_min}-{args.longtail_max} (log-uniform, "
+          f"{args.longtail_queue} rows per slot), sampling T=1", flush=True)
     rows_out = []
-    gen = torch.Generator().manual_seed(1)
-    for rows in args.batches:
-        prompts = torch.randint(3, config.vocab_size, (rows, args.prompt_len), generator=gen)
-        tokens = rows * args.new_tokens
-        sample = dict(n=1, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens)
-        plist = prompts.tolist()
-        out, note = {}, ""
-        try:
-            first = timed(lambda: out.setdefault("first", engine.generate(plist, seed=0, **sample)), device)
-        except Exception as exc:  # keep the rest of the table: measure the eager fast path instead
-            note = f"CUDA graphs failed ({type(exc).__name__}: {exc}); eager fast path"
-            print(note, flush=True)
-            engine._fast.release()
-            engine._fast.use_graphs = False
-            first = timed(lambda: out.setdefault("first", engine.generate(plist, seed=0, **sample)), device)
-        fast = timed(lambda: out.setdefault("fast", engine.generate(plist, seed=1, **sample)), device)
-        assert out["fast"].response_lengths.eq(args.new_tokens).all(), "EOS was not ignored"
-        replay_ms = replay_tb_s = None
-        fd = engine._fast
-        key = (rows, False, 0, 1.0)  # the step of this batch, sampling at top-k 0 / top-p 1
-        if fd.use_graphs and key in fd._graphs:  # the decode step alone: replay its graph, no host work
-            graph, slots = fd._graphs[key], fd.cache.shape[4]
-            fd._slot.fill_(args.prompt_len)  # replays write slots prompt_len.. (< slots): cache stays in bounds
-            fd._pos[:rows].fill_(args.prompt_len)
-            fd._col.zero_()  # and output columns 0..
-            reps = min(32, slots - args.prompt_len - 1)
-            replay_ms = 1e3 * timed(lambda: [graph.replay() for _ in range(reps)], device) / reps
-            replay_tb_s = bytes_per_step(config, rows=rows, context=slots, dtype_bytes=torch.finfo(dtype).bits // 8
-                                         ) / (replay_ms / 1e3) / 1e12
-        engine.sleep(1)
-        engine.wake_up()
-        after_sleep = timed(lambda: engine.generate(plist, seed=2, **sample), device)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-
-        hf, hf_tokens = None, 0
-        if rows <= args.generate_max_batch:
-            ids = prompts.to(device)
-            kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                          pad_token_id=0)
-            with torch.no_grad():
-                model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kwargs)  # warm-up
-                hf = timed(lambda: out.setdefault("hf", model.generate(
-                    ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                    max_time=args.generate_max_time, **kwargs)), device)
-            made = out["hf"].shape[1] - args.prompt_len
-            hf_tokens = rows * made
-            if made < args.new_tokens:
-                note += f"generate stopped by --generate-max-time after {made} of {args.new_tokens} tokens"
-
-        context = args.prompt_len + (args.new_tokens - 1) / 2
-        ceiling = rows * args.bandwidth / bytes_per_step(config, rows=rows, context=context,
-                                                         dtype_bytes=torch.finfo(dtype).bits // 8)
-        row = dict(rows=rows, fast_tok_s=tokens / fast, fast_ms_per_step=1e3 * fast / args.new_tokens,
-                   graph_replay_ms=replay_ms, graph_replay_tb_s=replay_tb_s,
-                   first_call_s=first, after_sleep_s=after_sleep, fast_s=fast,
-                   generate_tok_s=hf_tokens / hf if hf else None, generate_s=hf,
-                   ratio=(tokens / fast) / (hf_tokens / hf) if hf else None, ceiling_tok_s=ceiling,
-                   fraction_of_ceiling=tokens / fast / ceiling, peak_gib=peak, graphs=sorted(fd._graphs), note=note)
-        rows_out.append(row)
-        print(json.dumps(row), flush=True)
-
-    print(f"\n{'batch':>6} {'fast tok/s':>11} {'ms/step':>8} {'graph ms':>8} {'TB/s':>5} {'generate tok/s':>15} "
-          f"{'ratio':>7} "
-          f"{'ceiling tok/s':>14} {'of ceiling':>10} {'first call s':>12} {'after sleep s':>13}")
-    for r in rows_out:
-        gen_s = f"{r['generate_tok_s']:15,.0f}" if r["generate_tok_s"] else f"{'skipped':>15}"
-        ratio = f"{r['ratio']:6.1f}x" if r["ratio"] else f"{'-':>7}"
-        graph_s = (f"{r['graph_replay_ms']:8.2f} {r['graph_replay_tb_s']:5.2f}" if r["graph_replay_ms"]
-                   else f"{'-':>8} {'-':>5}")
-        print(f"{r['rows']:6d} {r['fast_tok_s']:11,.0f} {r['fast_ms_per_step']:8.2f} {graph_s} {gen_s} {ratio} "
-              f"{r['ceiling_tok_s']:14,.0f} {r['fraction_of_ceiling']:10.1%} {r['first_call_s']:12.2f} "
-              f"{r['after_sleep_s']:13.2f}" + (f"  ({r['note']})" if r["note"] else ""))
+    for shape in args.shapes:
+        start = time.perf_counter()
+        bench = Bench(shape, args, device, dtype)
+        params = sum(p.numel() for p in bench.model.parameters()) / 1e9
+        print(f"{shape}: {params:.2f}B parameters, decode layers {'compiled' if bench.fd.compile_layers else 'eager'}"
+              f", attention {'flash varlen' if bench.fd.varlen else 'masked SDPA'}", flush=True)
+        if "fixed" in args.mixes:
+            for batch in args.batches:
+                rows_out.append(bench.fixed(batch))
+                print(json.dumps(rows_out[-1]), flush=True)
+        if "longtail" in args.mixes:
+            for batch in args.longtail_batches or [LONGTAIL_BATCH.get(shape, 256)]:
+                rows_out.append(bench.longtail(batch))
+                print(json.dumps(rows_out[-1]), flush=True)
+        peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
+        print(f"{shape}: {time.perf_counter() - start:.0f} s, peak {peak:.1f} GiB", flush=True)
+        bench.close()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+    print_table(rows_out)
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=name, shape=args.shape, dtype=str(dtype),
-                                                  prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                                  rows=rows_out), indent=1))
+        Path(args.out).write_text(json.dumps(dict(device=name, dtype=str(dtype), args=vars(args), rows=rows_out),
+                                             indent=1))
 
 
 if __name__ == "__main__":

@@ -102,7 +102,9 @@ class RolloutConfig:
     """Run every response to `rollout.max_new_tokens`, past any EOS token (fixed-length responses, for
     benchmarks; validation too)."""
     batch_size: int = 64
-    """Sequences generated at once per rank (more are done in several passes)."""
+    """Sequences decoded at once per rank. Native backend: its KV-cache slots (each `longest prompt +
+    rollout.max_new_tokens` long, checked against free memory before allocating); a rank's other rows
+    queue and take the slot of the next finished row (continuous batching)."""
     tp: int = 1
     """Tensor-parallel degree of the rollout engine (ranks of one tp group get the same prompts)."""
     pp: int = 1

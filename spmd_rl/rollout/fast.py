@@ -1,5 +1,5 @@
 """Fast decode for the families of :data:`spmd_rl.models.families.FAMILIES` (Llama 3.x, Mistral, Qwen2, Qwen3,
-Qwen3-MoE, Gemma 3 text): static KV cache, graph-captured step, compaction.
+Qwen3-MoE, Gemma 3 text): slot-based KV cache, continuous batching, graph-captured step, compaction.
 
     fast = FastDecoder(hf_model, device=device, max_batch=64, pad_token_id=0)    # see unsupported_reason()
     tokens, mask, logprobs, truncated = fast.generate_chunk(rows, temperature=1.0, top_k=0, top_p=1.0,
@@ -12,42 +12,57 @@ one change made at construction: the q/k/v projections, and the MLP's gate/up pr
 one GEMM each (:class:`Fused`): their weights are rows of one tensor and the HF parameters are views
 of it, so ``load_weights`` (in-place copies by HF name) and the HF loop keep working unchanged.
 
-How a chunk of ``b`` left-padded rows runs:
+How a call of ``b`` rows runs (any ``b``; ``max_batch``, i.e. ``rollout.batch_size``, decode at once):
 
-* the KV cache is ONE tensor ``[layers, 2, rows, kv_heads, slots, head_dim]``, allocated for the
-  largest batch bucket used so far and ``slots = longest prompt + max_new_tokens`` rounded up to 64
-  (both grow only); sleep frees it. Slot ``s`` holds position ``s - pad`` of a row that has ``pad``
-  left-padding slots, so every row writes the same slot at each step;
-* prefill: the prompts go through in row groups of at most ``prefill_tokens`` tokens, causal +
-  padding mask (a padding query also sees itself, so no softmax row is empty), K/V written to slots
-  ``0..P-1``; only the last position's logits are computed;
+* the KV cache is slot-based: ``cache [full-length layers, 2, rows, slots, kv_heads, head_dim]``, one
+  cache row (a sequence slot) per decoding row, ``rows`` = the largest batch bucket used so far,
+  ``slots = longest prompt + max_new_tokens`` rounded up to 64 (both grow only); sleep frees it. A row
+  holds its left-padded prompt at slots ``0..P-1`` (``pad`` slots of padding first) and writes its
+  ``t``-th new token at slot ``P + t``: every row has its own write slot and position. Paged blocks
+  would let rows share memory by their actual lengths, but need a block-table attention kernel on
+  every device (CPU included) and a gather per step; slots keep one contiguous run per row, which
+  both masked SDPA and flash varlen read in place, and a queued row reserves nothing until it gets
+  a slot. Before allocating, the cache's bytes are checked against the device's free memory
+  (:meth:`FastDecoder.memory_needed`): too little fails with the numbers and the flags to change;
+* continuous batching: the first ``max_batch`` rows are prefilled; the others queue in the order
+  given. Whenever at least ``refill_fraction`` of the slots (or all) are finished, the next queued rows
+  are prefilled into those slots, while the other rows keep decoding. Once the queue is empty, the
+  live rows move to the front when they fit a smaller bucket (compaction: their K/V, logits and
+  counters, order kept; slots past them are spares writing to a spare output row);
+* prefill: rows go through in groups of at most ``prefill_tokens`` tokens, each left-padded to its
+  longest prompt, causal + padding mask (a padding query also sees itself, so no softmax row is
+  empty), K/V written to the group's cache rows; only the last position's logits are computed;
 * a step (:meth:`FastDecoder._step_body`) first SAMPLES from the logits the previous step left in
-  a static buffer and records the token, its log-prob and the live mask in static output buffers at
-  the step's column, then runs the decode FORWARD of that token: embed, per layer fused RMSNorm /
-  one q,k,v GEMM / RoPE on q and k together (a table gathered by each row's position) / write slot /
-  SDPA over all slots with the row's valid-slot mask (query heads grouped by their KV head, so GQA
-  needs no K/V copy) / o_proj / RMSNorm / one gate,up GEMM / down_proj, then norm, ``lm_head``,
-  ``/ T`` and ``logsumexp`` into the logits buffer. Family differences (:mod:`spmd_rl.rollout.layers`):
-  Qwen3 / Gemma 3 normalise each q and k head; Gemma 3 scales norms by ``1 + w``, normalises the
-  attention and MLP outputs too, embeds times ``sqrt(hidden)`` (its embedding module), soft-caps the
-  final logits when configured and reads a RoPE table per layer type (local and global bases);
-  Qwen3-MoE layers route each token to its top-k experts through grouped GEMMs (:func:`moe_mlp`);
+  a static buffer and records the token, its log-prob and the live mask at each live row's own
+  output column (a row finishes at an EOS id or its own length limit), then runs the decode
+  FORWARD of that token: embed, per layer fused RMSNorm / one q,k,v GEMM / RoPE on q and k together
+  (a table gathered by each row's position) / write each row's slot / attention / o_proj / RMSNorm /
+  one gate,up GEMM / down_proj, then norm, ``lm_head``, ``/ T`` and ``logsumexp`` into the logits
+  buffer. Attention of the full-length layers: on CUDA in bf16 / fp16, flash varlen over each row's
+  own entries (from past its padding to its write slot: a long row costs only itself), else SDPA
+  over the step's SPAN (slots ``0..span-1``, a power of two above every write slot) with the row's
+  valid-slot mask (query heads grouped by their KV head, so GQA needs no K/V copy). Family
+  differences (:mod:`spmd_rl.rollout.layers`): Qwen3 / Gemma 3 normalise each q and k head; Gemma 3
+  scales norms by ``1 + w``, normalises the attention and MLP outputs too, embeds times
+  ``sqrt(hidden)`` (its embedding module), soft-caps the final logits when configured and reads a
+  RoPE table per layer type (local and global bases); Qwen3-MoE layers route each token to its
+  top-k experts through grouped GEMMs (:func:`moe_mlp`);
 * sliding-window layers (Gemma 3's local layers, Mistral, Qwen2 with ``use_sliding_window``) keep a
   window-sized ring cache of their own (``ring [windowed layers, 2, rows, kv_heads, min(window, slots),
   head_dim]``): slot ``s`` lives at ring index ``s % R``, so a step overwrites the entry that just left
-  the window, and the mask keeps the entries whose slot is inside the row and the window. The other
-  layers' cache (``cache``, full length) holds the global layers only; a prefill longer than the window
-  writes its last ``R`` slots to the ring; On CUDA the whole step, sampling included, is one
-  CUDA graph per batch bucket and sampling setting; the host only draws the step's uniforms and
-  replays it;
+  the window, and the mask keeps the entries whose slot is inside the row and the window. A prefill
+  longer than the window writes its last ``R`` slots to the ring;
+* on CUDA the whole step, sampling included, is one CUDA graph per (batch bucket, span, sampling
+  setting): refills and compactions only rewrite the buffers the graphs read, so they recapture
+  nothing; the host draws the step's uniforms and replays. :meth:`FastDecoder.capture_graphs`
+  captures every bucket and span ahead of a call;
 * sampling is by inverse CDF: one uniform ``u`` per row (drawn from the caller's ``torch.Generator``,
   outside the graph) picks the first token whose cumulative probability exceeds ``u``; top-k / top-p
   filter ``z = logits / T`` first. Greedy is argmax. The log-prob is ``z[tok] - logsumexp(z)``, i.e.
   ``log_softmax(logits / T)`` before filtering, float32;
-* every ``check_every`` steps (1 on CPU, 4 on CUDA: it costs a host sync) the live rows are counted:
-  all finished ends the chunk; if they fit a smaller bucket, the live rows' K/V, logits and counters
-  move to the front (order kept) and the smaller bucket's graph runs from then on. Slots past the
-  live rows write their outputs to a spare row that is dropped.
+* every ``check_every`` steps (1 on CPU, 4 on CUDA: it costs a host sync) the live rows and the
+  highest write slot are read: the queue refills, the live rows compact, or the call ends when no
+  row is live and none queues.
 """
 
 from __future__ import annotations
@@ -66,10 +81,47 @@ from .layers import (
 )
 from .sampling import filter_logits
 
+try:  # flash attention over each row's valid cache entries only (CUDA, bf16 / fp16; torch >= 2.10)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    varlen_attn = None
+
 # SDPA kernels the path may use: masked attention runs the memory-efficient kernel on CUDA (flash takes
 # no mask) and the fused CPU kernel on CPU; a known, graph-capturable choice on every torch version.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _DECODE = CompileGroup("the rollout's compiled decode layers")  # CUDA; eager layer code if compiling fails
+
+
+def varlen_works(*, dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`varlen_attn` runs on this device and dtype with the decode's arguments (one query per
+    row, rows starting past their left padding, ``seqused_k``, grouped KV heads) and agrees with SDPA: a
+    probe, as kernels differ by device, dtype and release."""
+    if varlen_attn is None:
+        return False
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        slots, pad, used = 8, torch.tensor([0, 3], device=device), torch.tensor([5, 4], device=device)
+        q = torch.randn(2, heads, head_dim, generator=gen, device=device).to(dtype)
+        k, v = (torch.randn(2, slots, kv_heads, head_dim, generator=gen, device=device).to(dtype) for _ in range(2))
+        ar = torch.arange(2, device=device)
+        # max_k: the step's span, below the rows' cache length as in the decode
+        out = varlen_attn(q, k.flatten(0, 1), v.flatten(0, 1), (torch.arange(3, device=device)).int(),
+                          torch.cat([ar * slots + pad, ar.new_full((1,), 2 * slots)]).int(), 1, 6,
+                          enable_gqa=True, seqused_k=used.int())
+        for i in range(2):
+            keys = slice(int(pad[i]), int(pad[i] + used[i]))
+            ref = F.scaled_dot_product_attention(
+                q[i].unflatten(0, (kv_heads, -1)), k[i, keys].transpose(0, 1), v[i, keys].transpose(0, 1))
+            if not torch.allclose(out[i].float(), ref.flatten(0, 1).float(), atol=2e-2, rtol=0):
+                return False
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+    return True
+
+
+def size(n: float) -> str:
+    """Bytes as GiB (MiB below 0.1 GiB), for messages."""
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 / 10 else f"{n / 2 ** 20:.2f} MiB"
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -81,8 +133,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 class FastDecoder:
     """Static-cache, graph-captured decoding over a HF model of a supported family (module docstring)."""
 
-    _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_slot", "_col", "_row_of", "_finished", "_temp", "_u", "_scaled",
-                     "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin")
+    _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_wpos", "_ncol", "_limit", "_ar", "_row_of", "_finished", "_temp",
+                     "_u", "_scaled", "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin")
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_batch: int, pad_token_id: int,
                  prefill_tokens: int = 16384, compile_layers: bool = False) -> None:
@@ -158,12 +210,22 @@ class FastDecoder:
         # offsets on the host (measured: torch 2.11, H200), as the experts loop does
         self.use_graphs = self.device.type == "cuda" and (moe is None or compile_moe)
         self.check_every = 4 if self.use_graphs else 1
+        # full-length layers attend with flash varlen over each row's own entries (left padding skipped,
+        # nothing past its write slot read) where the kernel runs; else masked SDPA over the step's span
+        self.varlen = varlen_works(dtype=self.inner.embed_tokens.weight.dtype, device=self.device, heads=self.heads,
+                                   kv_heads=self.kv_heads, head_dim=self.head_dim)
         self.cache: torch.Tensor | None = None  # the full-length layers' K/V
         self.ring: torch.Tensor | None = None  # the windowed layers' K/V (window-sized)
-        self._shape: tuple[int, int] | None = None  # (rows, slots) of the last cache, for restore()
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, greedy, top_k, top_p) -> the step
+        self._shape: tuple[int, int, int] | None = None  # (rows, slots, output rows) of the last cache, for restore()
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, span, greedy, top_k, top_p) -> the step
         self._pool = None
         self.compactions = 0  # how many times live rows moved to a smaller bucket (tests read it)
+        self.refills = 0  # how many times queued rows were prefilled into freed slots (tests read it)
+        self.steps = 0  # decode steps run (the benchmark reads it: tokens / (steps x slots) = occupancy)
+        # refill once this share of the bucket's slots is free (or none is live): fewer, larger prefills
+        self.refill_fraction = 1 / 16
+        # bytes the cache and buffers may take; None = what the device has free (CUDA), no check on CPU
+        self.memory_budget: int | None = None
 
     # ------------------------------------------------------------------ memory
 
@@ -178,39 +240,89 @@ class FastDecoder:
     def restore(self) -> None:
         """Reallocate the cache of the last shape (after :meth:`release`); graphs are recaptured on use."""
         if self.cache is None and self._shape is not None:
+            self._check_memory(*self._shape)
             self._allocate(*self._shape)
 
-    def _ensure_cache(self, rows: int, slots: int) -> None:
-        if self.cache is not None and self._shape[0] >= rows and self._shape[1] >= slots:
+    def _ensure_cache(self, rows: int, slots: int, out_rows: int) -> None:
+        """A cache of at least ``rows`` sequence slots of ``slots`` positions and outputs for ``out_rows``
+        rows; grows only (a new size frees the old cache and graphs first)."""
+        if self.cache is not None and all(a >= b for a, b in zip(self._shape, (rows, slots, out_rows))):
             return
         if self.cache is not None:
-            rows, slots = max(rows, self._shape[0]), max(slots, self._shape[1])
+            rows, slots, out_rows = (max(a, b) for a, b in zip(self._shape, (rows, slots, out_rows)))
         self.release()
-        self._allocate(rows, -(-slots // 64) * 64)
+        slots = -(-slots // 64) * 64
+        self._check_memory(rows, slots, out_rows)
+        self._allocate(rows, slots, out_rows)
 
-    def _allocate(self, rows: int, slots: int) -> None:
+    def memory_needed(self, rows: int, slots: int, out_rows: int) -> dict[str, int]:
+        """Bytes :meth:`_allocate` takes for ``rows`` sequence slots of ``slots`` positions and ``out_rows``
+        output rows (``kv``: the K/V cache and rings; ``buffers``: logits and outputs), and ``transient``,
+        an estimate of the largest prefill's activations (``prefill_tokens`` tokens at once)."""
+        item = self.inner.embed_tokens.weight.element_size()
+        windowed = sum(w is not None for w in self.windows)
+        per_slot = 2 * self.kv_heads * self.head_dim * item  # K and V of one position, one layer
+        kv = per_slot * rows * ((len(self.layers) - windowed) * slots + windowed * min(self.window or 0, slots))
+        buffers = rows * self.vocab * 4 * 2 + (out_rows + 1) * slots * (8 + 4 + 4) + rows * 64
+        hidden = self.inner.embed_tokens.weight.shape[1]
+        width = max([f.weight.shape[0] for f in self.fused] + [hidden])  # the widest GEMM output (gate/up: 2 x MLP)
+        transient = min(self.prefill_tokens, rows * slots) * (4 * hidden + 2 * width) * item
+        return {"kv": kv, "buffers": buffers, "transient": transient}
+
+    def _available(self) -> int | None:
+        if self.memory_budget is not None:
+            return self.memory_budget
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)  # the driver's free memory + what torch holds unused
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+
+    def _check_memory(self, rows: int, slots: int, out_rows: int) -> None:
+        """Fail before allocating when the cache would not fit, with the numbers and the flags to change."""
+        available = self._available()
+        need = self.memory_needed(rows, slots, out_rows)
+        total = sum(need.values())
+        if available is None or total <= available:
+            return
+        per_row = need["kv"] / rows
+        fit = max(0, int((available - total + need["kv"]) // per_row))
+        raise MemoryError(
+            f"FastDecoder: the KV cache of {rows} sequence slots x {slots} positions (rollout.batch_size x (longest "
+            f"prompt + rollout.max_new_tokens), rounded up to 64) needs {size(total)} on {self.device} "
+            f"({size(need['kv'])} K/V, {size(per_row)} per slot; {size(need['buffers'])} logits and outputs; "
+            f"{size(need['transient'])} prefill activations), but {size(available)} is available. Lower "
+            f"--rollout.batch-size (about {fit} slots fit; queued rows wait for a free slot, so fewer slots cost "
+            "speed, not results), --rollout.max-new-tokens or --data.max-prompt-length, or leave more memory to "
+            "the rollout (--rollout.sleep-level 2 for a colocated actor, --rollout.gpu-memory-fraction with "
+            "pools.colocate)")
+
+    def _allocate(self, rows: int, slots: int, out_rows: int) -> None:
         """The cache and every buffer a captured step reads or writes (fixed addresses for the graphs)."""
         dtype, dev = self.inner.embed_tokens.weight.dtype, self.device
         windowed = sum(w is not None for w in self.windows)
-        self.cache = torch.zeros(len(self.layers) - windowed, 2, rows, self.kv_heads, slots, self.head_dim,
+        # [layers, K/V, rows, slots, kv_heads, head_dim]: a row's entries are one run of (slot, head) pairs,
+        # the layout flash varlen reads; SDPA reads the same memory as [rows, kv_heads, slots, head_dim]
+        self.cache = torch.zeros(len(self.layers) - windowed, 2, rows, slots, self.kv_heads, self.head_dim,
                                  dtype=dtype, device=dev)
         self.ring = torch.zeros(windowed, 2, rows, self.kv_heads, min(self.window or 0, slots), self.head_dim,
                                 dtype=dtype, device=dev)
-        self._shape = (rows, slots)
+        self._shape = (rows, slots, out_rows)
         long = dict(dtype=torch.long, device=dev)
         self._tok = torch.zeros(rows, **long)       # the token each row feeds the next forward
         self._pos = torch.zeros(rows, **long)       # its position
         self._pad = torch.zeros(rows, **long)       # left-padding slots of each row
-        self._slot = torch.zeros(1, **long)         # the slot the next forward writes
-        self._col = torch.zeros(1, **long)          # the output column the next sample writes
+        self._wpos = torch.zeros(rows, **long)      # the slot each row's next forward writes
+        self._ncol = torch.zeros(rows, **long)      # the output column each row's next sample writes
+        self._limit = torch.ones(rows, **long)      # each row's most new tokens
+        self._ar = torch.arange(rows + 1, **long)
         self._row_of = torch.zeros(rows, **long)    # output row of each cache row (the spare row for spares)
-        self._finished = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self._finished = torch.ones(rows, dtype=torch.bool, device=dev)
         self._temp = torch.ones(1, dtype=torch.float32, device=dev)  # logits are divided by it
         self._u = torch.zeros(rows, dtype=torch.float32, device=dev)  # this step's uniforms
         self._scaled = torch.zeros(rows, self.vocab, dtype=torch.float32, device=dev)  # logits / T
         self._lse = torch.zeros(rows, dtype=torch.float32, device=dev)
-        self._out_tok = torch.zeros(rows + 1, slots, **long)  # + a spare row
-        self._out_lp = torch.zeros(rows + 1, slots, dtype=torch.float32, device=dev)
+        self._out_tok = torch.zeros(out_rows + 1, slots, **long)  # + a spare row
+        self._out_lp = torch.zeros(out_rows + 1, slots, dtype=torch.float32, device=dev)
         self._out_mask = torch.zeros_like(self._out_lp)
         self._slots = torch.arange(slots, device=dev)
         # RoPE tables by position, one per rope key (see rope_types)
@@ -262,7 +374,7 @@ class FastDecoder:
         torch.logsumexp(scaled, dim=-1, out=self._lse[:rows])
 
     def _kv(self, i: int) -> torch.Tensor:
-        """Layer ``i``'s K/V, ``[2, rows, kv_heads, slots or ring size, head_dim]``."""
+        """Layer ``i``'s K/V: ``[2, rows, slots, kv_heads, head_dim]`` (a ring: ``[2, rows, kv_heads, R, D]``)."""
         in_ring, j = self._kv_of[i]
         return self.ring[j] if in_ring else self.cache[j]
 
@@ -277,9 +389,9 @@ class FastDecoder:
             out[w] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, float("-inf"))
         return out
 
-    def _prefill(self, ids: torch.Tensor, pad: torch.Tensor, row0: int) -> None:
-        """Prompts ``ids [b, P]`` (left-padded by ``pad [b]``) into cache rows ``row0..row0+b``, slots
-        ``0..P-1``; the last position's logits go to the logits buffer's rows ``row0..row0+b``."""
+    def _prefill(self, ids: torch.Tensor, pad: torch.Tensor, dest: torch.Tensor) -> None:
+        """Prompts ``ids [b, P]`` (left-padded by ``pad [b]``) into cache rows ``dest [b]``, slots ``0..P-1``;
+        the last position's logits go to the logits buffer's rows ``dest``."""
         b, length = ids.shape
         ar = self._slots[:length]
         pos = (ar[None, :] - pad[:, None]).clamp(min=0)
@@ -297,51 +409,74 @@ class FastDecoder:
             qk, v = qk.transpose(1, 2), v.transpose(1, 2)  # [b, H + Hkv, P, D], [b, Hkv, P, D]
             q, k = qk[:, :self.heads], qk[:, self.heads:]
             kv = self._kv(i)
-            if self._kv_of[i][0]:
-                kv[0, row0:row0 + b, :, last % ring] = k[:, :, last]
-                kv[1, row0:row0 + b, :, last % ring] = v[:, :, last]
+            if self._kv_of[i][0]:  # advanced indices [b, 1] x [1, n] first, then [Hkv, D]
+                at = (dest[:, None], slice(None), (last % ring)[None, :])
+                kv[0][at] = k[:, :, last].transpose(1, 2)
+                kv[1][at] = v[:, :, last].transpose(1, 2)
             else:
-                kv[0, row0:row0 + b, :, :length] = k
-                kv[1, row0:row0 + b, :, :length] = v
+                kv[0][dest, :length] = k.transpose(1, 2)
+                kv[1][dest, :length] = v.transpose(1, 2)
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[self.windows[i]], scale=self.scaling)
             x = self._out(i, x, o.transpose(1, 2).reshape(b, length, self.heads * self.head_dim), self.attn_out)
-        scaled = self._scaled[row0:row0 + b]
-        scaled.copy_(self._logits(x[:, -1])).div_(self._temp)
-        torch.logsumexp(scaled, dim=-1, out=self._lse[row0:row0 + b])
+        scaled = self._logits(x[:, -1]).float().div_(self._temp)
+        self._scaled[dest] = scaled
+        self._lse[dest] = torch.logsumexp(scaled, dim=-1)
 
-    def _forward(self, rows: int) -> None:
-        """The decode forward of ``_tok`` for cache rows ``0..rows-1``; advances the position and slot."""
-        pos = self._pos[:rows]
-        valid = (self._slots[None, :] >= self._pad[:rows, None]) & (self._slots[None, :] <= self._slot)
+    def _forward(self, rows: int, span: int) -> None:
+        """The decode forward of ``_tok`` for cache rows ``0..rows-1``, attending over slots ``0..span-1``
+        (``span`` > every row's write slot); advances the live rows' positions and write slots."""
+        pos, wpos = self._pos[:rows], self._wpos[:rows]
         x = self.inner.embed_tokens(self._tok[:rows])
-        # Additive masks [rows, 1, 1, slots or ring size], built once per step, broadcast over KV heads and
-        # query groups. Ring entry j holds the latest slot s <= this step's with s % R == j; it counts when
-        # that slot is one of the row's (not left padding) and fewer than the layer's window back.
-        bias = {None: self._biases(valid, {None: None}, x.dtype)[None][:, None, None, :]}
+        # Additive masks [rows, 1, 1, span or ring size], built once per step, broadcast over KV heads and
+        # query groups. Ring entry j holds the latest slot s <= the row's write slot with s % R == j; it counts
+        # when that slot is one of the row's (not left padding) and fewer than the layer's window back.
+        bias = {}
+        if not self.varlen:  # the full-length layers' mask: the row's slots from past its padding to its write slot
+            slots = self._slots[:span]
+            valid = (slots[None, :] >= self._pad[:rows, None]) & (slots[None, :] <= wpos[:, None])
+            bias[None] = self._biases(valid, {None: None}, x.dtype)[None][:, None, None, :]
         if self.window is not None:
             ring = self.ring.shape[4]
-            held = self._slot - (self._slot - self._slots[:ring]) % ring  # [R] the slot at each ring index
-            live = (held[None, :] >= self._pad[:rows, None]) & (held >= 0)[None]
-            near = {w: (held > self._slot - w)[None] for w in set(self.windows) if w}
+            seen = min(span, ring)  # span <= R: every written slot s < span sits at ring index s
+            held = wpos[:, None] - (wpos[:, None] - self._slots[None, :seen]) % ring  # [rows, seen]
+            live = (held >= self._pad[:rows, None]) & (held >= 0)
+            near = {w: held > wpos[:, None] - w for w in set(self.windows) if w}
             bias.update({w: m[:, None, None, :] for w, m in self._biases(live, near, x.dtype).items()})
-            ring_slot = self._slot % ring
+            ring_at = wpos % ring
         tables = [(self._cos[t][pos][:, None], self._sin[t][pos][:, None]) for t in range(len(self.rope_keys))]
+        rows_at = self._ar[:rows]
+        if self.varlen:  # each row's keys: its slots pad..wpos in the flattened [rows * slots] cache
+            starts = self._ar[:rows + 1] * self.cache.shape[3]
+            starts[:rows] += self._pad[:rows]
+            starts, queries = starts.int(), self._ar[:rows + 1].int()  # one query per row
+            used = (wpos - self._pad[:rows] + 1).int()
         for i in range(len(self.layers)):
             cos, sin = tables[self.rope_of[i]]  # [rows, 1, D]
             qk, v = self._in(i, x, cos, sin, self._step_in)
             kv = self._kv(i)
             k_cache, v_cache = kv[0, :rows], kv[1, :rows]
-            at = ring_slot if self._kv_of[i][0] else self._slot
-            k_cache.index_copy_(2, at, qk[:, self.heads:, None])
-            v_cache.index_copy_(2, at, v[:, :, None])
+            if self._kv_of[i][0]:  # the ring: [rows, kv_heads, R, head_dim]
+                k_cache[rows_at, :, ring_at] = qk[:, self.heads:]  # each row writes its own slot: [rows, Hkv, D]
+                v_cache[rows_at, :, ring_at] = v
+                k_cache, v_cache = k_cache[:, :, :seen], v_cache[:, :, :seen]
+            else:  # [rows, slots, kv_heads, head_dim]
+                k_cache[rows_at, wpos] = qk[:, self.heads:]
+                v_cache[rows_at, wpos] = v
+                if self.varlen:
+                    o = varlen_attn(qk[:, :self.heads].contiguous(), k_cache.flatten(0, 1), v_cache.flatten(0, 1),
+                                    queries, starts, 1, span, scale=self.scaling, enable_gqa=True, seqused_k=used)
+                    x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
+                    continue
+                k_cache, v_cache = k_cache[:, :span].transpose(1, 2), v_cache[:, :span].transpose(1, 2)
             q = qk[:, :self.heads].unflatten(1, (self.kv_heads, self.group))  # query heads of one KV head together
             o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias[self.windows[i]], scale=self.scaling)
             x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
         self._head(x, rows)
-        self._pos[:rows] += 1
-        self._slot += 1
+        live = (~self._finished[:rows]).long()  # finished rows keep their slot: writes stay inside the cache
+        pos += live
+        wpos += live
 
     # ------------------------------------------------------------------ sampling
 
@@ -363,45 +498,48 @@ class FastDecoder:
         return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse
 
     def _record(self, rows: int, *, greedy: bool, top_k: int, top_p: float) -> None:
-        """Sample rows ``0..rows-1`` from the logits buffer and write token, log-prob and live mask at the
-        output column; finished rows write pad / 0 / 0. The sampled tokens feed the next forward."""
+        """Sample rows ``0..rows-1`` from the logits buffer and write token, log-prob and live mask at each
+        live row's output column; finished rows write nothing. A row finishes at an EOS id or at its
+        ``_limit``-th token. The sampled tokens feed the next forward."""
         tok, lp = self._pick(self._scaled[:rows], self._lse[:rows], None if greedy else self._u[:rows],
                              top_k=top_k, top_p=top_p)
-        live = ~self._finished[:rows]
-        where = (self._row_of[:rows], self._col.expand(rows))
+        finished, ncol = self._finished[:rows], self._ncol[:rows]
+        live = ~finished
+        # finished rows and spares write to the spare output row, whose contents are dropped
+        where = (torch.where(live, self._row_of[:rows], self._out_tok.shape[0] - 1), ncol)
         self._out_tok.index_put_(where, torch.where(live, tok, self.pad_token_id))
         self._out_lp.index_put_(where, torch.where(live, lp, 0.0))
         self._out_mask.index_put_(where, live.float())
-        self._finished[:rows].logical_or_(torch.isin(tok, self._eos))
+        ncol += live.long()
+        finished.logical_or_(torch.isin(tok, self._eos) | (ncol >= self._limit[:rows]))
         self._tok[:rows] = tok
-        self._col += 1
 
-    def _step_body(self, rows: int, mode: tuple[bool, int, float]) -> None:
+    def _step_body(self, rows: int, span: int, mode: tuple[bool, int, float]) -> None:
         """One step: sample from the last logits, then the forward of the sampled tokens."""
         greedy, top_k, top_p = mode
         self._record(rows, greedy=greedy, top_k=top_k, top_p=top_p)
-        self._forward(rows)
+        self._forward(rows, span)
 
-    def _step(self, rows: int, mode: tuple[bool, int, float]) -> None:
+    def _step(self, rows: int, span: int, mode: tuple[bool, int, float]) -> None:
         if not self.use_graphs:
-            self._step_body(rows, mode)
+            self._step_body(rows, span, mode)
             return
-        graph = self._graphs.get((rows, *mode))
+        graph = self._graphs.get((rows, span, *mode))
         if graph is None:
-            graph = self._capture(rows, mode)
+            graph = self._capture(rows, span, mode)
         graph.replay()
 
-    def _capture(self, rows: int, mode: tuple[bool, int, float]) -> torch.cuda.CUDAGraph:
-        """Capture the step of ``rows`` rows. The warm-up really runs the step, so the state it changed is
-        put back first (the K/V it wrote are those the replay writes again)."""
-        state = [self._tok[:rows], self._pos[:rows], self._slot, self._col, self._finished[:rows],
+    def _capture(self, rows: int, span: int, mode: tuple[bool, int, float]) -> torch.cuda.CUDAGraph:
+        """Capture the step of ``rows`` rows over ``span`` slots. The warm-up really runs the step, so the
+        state it changed is put back first (the K/V and outputs it wrote are those the replay writes again)."""
+        state = [self._tok[:rows], self._pos[:rows], self._wpos[:rows], self._ncol[:rows], self._finished[:rows],
                  self._scaled[:rows], self._lse[:rows]]
         saved = [t.clone() for t in state]
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._step_body(rows, mode)  # lazy library workspaces are set up outside the capture
+                self._step_body(rows, span, mode)  # lazy library workspaces are set up outside the capture
             torch.cuda.current_stream().wait_stream(side)
             for t, old in zip(state, saved):
                 t.copy_(old)
@@ -410,8 +548,8 @@ class FastDecoder:
             graph = torch.cuda.CUDAGraph()
             # thread_local: CUDA calls of other threads (NCCL watchdog, pinned-memory copies) cannot spoil it
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._step_body(rows, mode)
-        self._graphs[(rows, *mode)] = graph
+                self._step_body(rows, span, mode)
+        self._graphs[(rows, span, *mode)] = graph
         return graph
 
     # ------------------------------------------------------------------ generation
@@ -419,24 +557,54 @@ class FastDecoder:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def span(self, n: int) -> int:
+        """The slots a step attends over when every write slot is below ``n``: a power of two from 128 on,
+        at most the cache's length (one graph per bucket and span)."""
+        return min(max(128, 1 << max(n - 1, 1).bit_length()), self._shape[1])
+
+    def capture_graphs(self, *, temperature: float, top_k: int, top_p: float) -> int:
+        """Capture the step of every batch bucket and attention span of the current cache for this sampling
+        setting now (CUDA; after a call has sized the cache), so that no capture falls inside a later
+        call; returns how many graphs were new."""
+        if not self.use_graphs or self.cache is None:
+            return 0
+        mode = (True, 0, 1.0) if temperature == 0 else (False, top_k, top_p)
+        spans, n = set(), 128
+        while n < 2 * self._shape[1]:
+            spans.add(self.span(n))
+            n *= 2
+        new = 0
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            for rows in (b for b in self.buckets if b <= self._shape[0]):
+                for span in sorted(spans):
+                    if (rows, span, *mode) not in self._graphs:
+                        self._capture(rows, span, mode)
+                        new += 1
+        return new
+
     def generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
-        generator: torch.Generator, eos: torch.Tensor,
+        generator: torch.Generator, eos: torch.Tensor, max_new_per_row: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As ``NativeRollout._generate_chunk_hf``: ``tokens, mask, logprobs [b, t]`` and ``truncated [b]``."""
+        """As ``NativeRollout._generate_chunk_hf``: ``tokens, mask, logprobs [b, t]`` and ``truncated [b]``,
+        for any number of rows: at most ``max_batch`` decode at once and the others queue (in the order
+        given) for the slots of finished rows. ``max_new_per_row``: each row's own most new tokens (each
+        at most ``max_new_tokens``, which sizes the cache); a row that reaches it is truncated."""
         with sdpa_kernel(ATTENTION_BACKENDS):
             return self._generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
-                                        max_new_tokens=max_new_tokens, generator=generator, eos=eos)
+                                        max_new_tokens=max_new_tokens, generator=generator, eos=eos,
+                                        max_new_per_row=max_new_per_row)
 
     def _generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
-        generator: torch.Generator, eos: torch.Tensor,
+        generator: torch.Generator, eos: torch.Tensor, max_new_per_row: list[int] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, longest, dev = len(rows), max(len(r) for r in rows), self.device
-        if b > self.buckets[-1]:
-            raise ValueError(f"FastDecoder: {b} rows exceed rollout.batch_size ({self.buckets[-1]})")
-        cur = self.bucket(b)
-        self._ensure_cache(cur, longest + max_new_tokens)
+        b, longest = len(rows), max(len(r) for r in rows)
+        limits = [max_new_tokens] * b if max_new_per_row is None else [int(m) for m in max_new_per_row]
+        if len(limits) != b or not all(1 <= m <= max_new_tokens for m in limits):
+            raise ValueError(f"FastDecoder: max_new_per_row needs {b} values in [1, {max_new_tokens}]")
+        cur = self.bucket(min(b, self.buckets[-1]))
+        self._ensure_cache(cur, longest + max_new_tokens, b)
         self._set_eos(eos)
         half = self.head_dim // 2
         for t, key in enumerate(self.rope_keys):  # the same tables as HF's forward
@@ -445,50 +613,77 @@ class FastDecoder:
             self._cos[t].copy_(cos[0])
             self._sin[t].copy_(torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1))  # rotate_half's sign
 
-        ids = torch.full((b, longest), self.pad_token_id, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, longest - len(r):] = torch.tensor(r, dtype=torch.long)
-        pad = torch.tensor([longest - len(r) for r in rows], dtype=torch.long)
-        ids, pad = ids.to(dev), pad.to(dev)
-        self._pad[:cur].zero_()
-        self._pad[:b] = pad
-        self._pos[:cur].zero_()  # spare rows: positions stay small, inside the RoPE table
-        self._pos[:b] = longest - pad
-        self._slot.fill_(longest)
-        self._col.zero_()
+        spare = self._out_tok.shape[0] - 1
+        # every slot starts as a spare: finished, slot 0 (so its attention row is never empty), flat logits
+        for buf in (self._pad, self._pos, self._wpos, self._ncol):
+            buf.zero_()
+        self._row_of.fill_(spare)
+        self._finished.fill_(True)
+        self._scaled.zero_()
+        self._lse.zero_()
         self._temp.fill_(temperature if temperature > 0 else 1.0)
-        self._scaled[b:cur].zero_()  # spare rows sample from flat logits; their outputs go to the spare row
-        self._lse[b:cur].zero_()
-        self._row_of[:cur] = torch.arange(cur, device=dev).clamp_(max=b)
-        self._finished[:cur] = torch.arange(cur, device=dev) >= b
-        self._out_tok[:b + 1, :max_new_tokens].fill_(self.pad_token_id)
-        self._out_lp[:b + 1, :max_new_tokens].zero_()
-        self._out_mask[:b + 1, :max_new_tokens].zero_()
-        group = max(1, self.prefill_tokens // longest)
-        for s in range(0, b, group):
-            self._prefill(ids[s:s + group], pad[s:s + group], s)
+        self._out_tok[:b].fill_(self.pad_token_id)
+        self._out_lp[:b].zero_()
+        self._out_mask[:b].zero_()
 
+        queue = list(range(b))[::-1]  # popped from the end: rows in the order given
+        top = self._fill(list(range(min(cur, b))), queue, rows, limits)  # highest write slot so far
         greedy = temperature == 0
-        mode = (True, 0, 1.0) if greedy else (False, top_k, top_p)  # one graph per mode and bucket
-        for step in range(max_new_tokens):
+        mode = (True, 0, 1.0) if greedy else (False, top_k, top_p)  # one graph per mode, bucket and span
+        span = self.span(top + self.check_every + 1)
+        step = 0
+        while True:
             if not greedy:
                 self._u[:cur].uniform_(generator=generator)
-            if step == max_new_tokens - 1:  # the last token: sampled, never fed back
-                self._record(cur, greedy=greedy, top_k=top_k, top_p=top_p)
+            self._step(cur, span, mode)
+            step += 1
+            self.steps += 1
+            if step % self.check_every:
+                continue
+            finished = self._finished[:cur]
+            n_live, top = torch.stack([(~finished).sum(), self._wpos[:cur].max()]).tolist()  # one host sync
+            if n_live == 0 and not queue:
                 break
-            self._step(cur, mode)
-            if (step + 1) % self.check_every == 0:
-                n_live = int((~self._finished[:cur]).sum())
-                if n_live == 0:
-                    break
-                if self.bucket(n_live) < cur:
-                    cur = self._compact(cur, spare=b)
+            free = cur - n_live
+            if queue and (n_live == 0 or free >= max(1, int(cur * self.refill_fraction))):
+                slots = torch.nonzero(finished).squeeze(-1)[:len(queue)].tolist()
+                top = max(top, self._fill(slots, queue, rows, limits))
+                self.refills += 1
+            elif not queue and self.bucket(n_live) < cur:
+                cur = self._compact(cur, spare=spare)
+            span = self.span(top + self.check_every + 1)
         mask = self._out_mask[:b]
         width = max(int(mask.sum(-1).max()), 1)
         tokens = self._out_tok[:b, :width].clone()
         last = tokens.gather(1, mask.sum(-1, keepdim=True).long().clamp_(min=1) - 1).squeeze(1)
         truncated = ~torch.isin(last, self._eos)  # a row ends at its first EOS, so no EOS last = no EOS at all
         return tokens, mask[:, :width].clone(), self._out_lp[:b, :width].clone(), truncated
+
+    def _fill(self, slots: list[int], queue: list[int], rows: list[list[int]], limits: list[int]) -> int:
+        """Prefill the next queued rows into the cache rows ``slots`` (as many as both have), in groups of
+        at most ``prefill_tokens`` tokens, each group left-padded to its longest prompt; returns the
+        highest slot a filled row writes next."""
+        taken = [queue.pop() for _ in range(min(len(slots), len(queue)))]
+        dev, top, start = self.device, 0, 0
+        while start < len(taken):
+            longest = max(len(rows[r]) for r in taken[start:start + 1])
+            group = taken[start:start + max(1, self.prefill_tokens // longest)]
+            longest = max(len(rows[r]) for r in group)
+            ids = torch.full((len(group), longest), self.pad_token_id, dtype=torch.long)
+            for i, r in enumerate(group):
+                ids[i, longest - len(rows[r]):] = torch.tensor(rows[r], dtype=torch.long)
+            pad = torch.tensor([longest - len(rows[r]) for r in group], dtype=torch.long, device=dev)
+            dest = torch.tensor(slots[start:start + len(group)], dtype=torch.long, device=dev)
+            self._prefill(ids.to(dev), pad, dest)
+            self._pad[dest] = pad
+            self._pos[dest] = longest - pad
+            self._wpos[dest] = longest
+            self._ncol[dest] = 0
+            self._limit[dest] = torch.tensor([limits[r] for r in group], dtype=torch.long, device=dev)
+            self._row_of[dest] = torch.tensor(group, dtype=torch.long, device=dev)
+            self._finished[dest] = False
+            top, start = max(top, longest), start + len(group)
+        return top
 
     def _set_eos(self, eos: torch.Tensor) -> None:
         """The EOS ids the captured steps compare against (a buffer of its own; a new count recaptures)."""
@@ -508,7 +703,8 @@ class FastDecoder:
         for cache in (self.cache, self.ring):
             for i in range(cache.shape[0]):  # one layer at a time: the gather copy stays small
                 cache[i, :, :n] = cache[i][:, keep]
-        for buf in (self._tok, self._pos, self._pad, self._row_of, self._scaled, self._lse):
+        for buf in (self._tok, self._pos, self._pad, self._wpos, self._ncol, self._limit, self._row_of, self._scaled,
+                    self._lse):
             buf[:n] = buf[keep]
         self._row_of[n:new] = spare
         self._finished[:new] = torch.arange(new, device=self.device) >= n

@@ -7,12 +7,14 @@
 It keeps its OWN copy of the model (eval mode, no grad), separate from the actor's; the trainer
 streams the actor's weights into it with :meth:`NativeRollout.load_weights` before each rollout.
 
-How a call runs: the ``len(prompts) * n`` rows are sorted by prompt length (less padding) and cut
-into chunks of ``batch_size``. Each chunk is LEFT-padded and prefilled once with an attention mask
-and ``position_ids = cumsum(mask) - 1``, so a prompt gets the same positions as it would alone;
+How a call runs: the ``len(prompts) * n`` rows are sorted by prompt length (less padding). The fast
+path takes them all at once and keeps ``batch_size`` of them decoding: a finished row's slot takes
+the next queued row (continuous batching, :mod:`spmd_rl.rollout.fast`). The Hugging Face loop cuts
+them into chunks of ``batch_size``; each chunk is LEFT-padded and prefilled once with an attention
+mask and ``position_ids = cumsum(mask) - 1``, so a prompt gets the same positions as it would alone;
 then one token at a time is decoded over a KV cache. Sampling happens on the device with one
 ``torch.Generator`` seeded by ``seed``; the same seed, rows and ``batch_size`` give the same
-responses. A row stops at its first EOS id and gets pad tokens afterwards (with no EOS ids, as
+responses (on one device type). A row stops at its first EOS id and gets pad tokens afterwards (with no EOS ids, as
 ``rollout.ignore_eos`` gives, every row runs to ``max_new_tokens``); the chunk stops when every row
 has stopped.
 
@@ -20,9 +22,9 @@ Two decode loops, the same outputs (greedy: token for token; tests/test_rollout_
 
 * the fast path (:mod:`spmd_rl.rollout.fast`, on by default for the families of
   :data:`spmd_rl.models.families.FAMILIES`: Llama 3.x, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text; CPU
-  and GPU): static KV cache, the decode step as a CUDA graph per batch bucket (its layers compiled
-  on CUDA), finished rows compacted into smaller buckets. ``sleep`` frees its cache and graphs,
-  ``wake_up`` reallocates;
+  and GPU): slot-based KV cache, continuous batching, the decode step as a CUDA graph per batch
+  bucket and attention span (its layers compiled on CUDA), finished rows compacted into smaller
+  buckets once the queue is empty. ``sleep`` frees its cache and graphs, ``wake_up`` reallocates;
 * the Hugging Face loop (``fast_decode=False``, or another model type; one warning names what made
   the model fall back): ``DynamicCache`` and :meth:`NativeRollout._decode_step`.
 
@@ -147,9 +149,12 @@ class NativeRollout:
         rows = [list(p) for p in prompt_ids for _ in range(n)]
         order = sorted(range(len(rows)), key=lambda r: -len(rows[r]))  # stable: equal prompts stay together
         generator = torch.Generator(device=self.device).manual_seed(seed)
+        # the fast path takes every row at once and keeps batch_size of them decoding (continuous batching);
+        # the Hugging Face loop runs chunks of batch_size rows
+        chunk = len(rows) if self._fast is not None else self.batch_size
         pieces = []
-        for start in range(0, len(rows), self.batch_size):
-            idx = order[start:start + self.batch_size]
+        for start in range(0, len(rows), chunk):
+            idx = order[start:start + chunk]
             pieces.append((idx, self._generate_chunk([rows[r] for r in idx], temperature=temperature,
                                                      top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                                                      generator=generator)))
