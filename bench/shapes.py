@@ -3,7 +3,7 @@
     folder = model_folder("qwen2-0.5b", root="/tmp/bench_models", group=None)  # config + random bf16 weights + tokenizer
 
 Built once per shape under ``root`` (global rank 0 writes, then a barrier over ``group``): a Qwen2
-config of the named size, weights drawn by transformers' initialiser (seed 0) and stored in bf16,
+(or the shape's ``model_type``: Qwen3, Qwen3-MoE) config of the named size, weights drawn by transformers' initialiser (seed 0) and stored in bf16,
 and the project's character tokenizer (its ids are the low end of the 151936-token vocabulary;
 sampled ids beyond it decode to nothing). ``tiny`` is a small shape for CPU runs of the scripts.
 
@@ -32,6 +32,16 @@ SHAPES: dict[str, dict[str, object]] = {
     # hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, vocab 49152, tied.
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
+    # Qwen3-1.7B: 28 layers, hidden 2048, 16 heads / 8 KV heads of 128 (q/k RMSNorm), MLP 6144, vocab 151936, tied.
+    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=True),
+    # Qwen3-30B-A3B's layer (128 experts of 768, top-8, renormalised; 32 heads / 4 KV heads of 128, hidden
+    # 2048) with 6 of its 48 layers: 3.9B parameters, 0.5B active per token, so fp32 AdamW fits one GPU.
+    "qwen3-moe-6l": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                         moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                         num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                         tie_word_embeddings=False),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }
@@ -76,16 +86,17 @@ def model_folder(shape: str, *, root: str) -> str:
     folder = Path(root) / shape
     marker = folder / "COMPLETE"
     if rank == 0 and not marker.exists():
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         from spmd_rl.models import build_char_tokenizer
 
         folder.mkdir(parents=True, exist_ok=True)
-        config = Qwen2Config(**SHAPES[shape], **COMMON)
+        fields = dict(SHAPES[shape])
+        config = AutoConfig.for_model(fields.pop("model_type", "qwen2"), **fields, **COMMON)
         torch.manual_seed(0)
         device = "cuda" if torch.cuda.is_available() else "cpu"  # initialising 1.5B on the GPU takes a second
         with torch.device(device):
-            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+            model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
         model.save_pretrained(folder)
         build_char_tokenizer(model_max_length=32768).save_pretrained(folder)
         del model

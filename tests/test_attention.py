@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from spmd_rl.engine import attention, ulysses
+from spmd_rl.models.families import layer_windows
 from test_varlen import reference_varlen
 
 COMMON = dict(vocab_size=61, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
@@ -168,3 +169,31 @@ def test_engine_logprobs_equal_the_hf_forward_past_sliding_windows(tmp_path) -> 
     for (name, packed), (logprobs, installed) in out["got"].items():
         assert installed, name
         torch.testing.assert_close(logprobs, out["hf"][name], rtol=0, atol=1e-5, msg=lambda m: f"{name} {packed}: {m}")
+
+
+def test_stored_windows_compile_one_graph_for_all_layers() -> None:
+    """A decoder layer compiled in place is one code object for every layer: the window must not make
+    torch.compile guard on ``layer_idx`` (one recompile per layer, the layers past the recompile limit
+    running eager). With :func:`ulysses.annotate_windows`, 10 full layers compile once and Gemma 3's
+    sliding and global layers twice."""
+    from torch._dynamo.testing import CompileCounter
+
+    def window_plus(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        w = ulysses.layer_window(module)
+        return x + (0 if w is None else w)
+
+    x = torch.zeros(2)
+    models = {"qwen3": (Qwen3ForCausalLM(Qwen3Config(**{**COMMON, "num_hidden_layers": 10}, num_key_value_heads=3,
+                                                      head_dim=8, use_sliding_window=False)), 1),
+              "gemma3": (Gemma3ForCausalLM(Gemma3TextConfig(
+                  **{**COMMON, "num_hidden_layers": 10}, num_key_value_heads=3, head_dim=8, sliding_window=3,
+                  query_pre_attn_scalar=12, layer_types=["sliding_attention", "full_attention"] * 5)), 2)}
+    for name, (model, graphs) in models.items():
+        ulysses.annotate_windows(model)
+        counter = CompileCounter()
+        compiled = torch.compile(window_plus, backend=counter)
+        torch._dynamo.reset()
+        outs = [compiled(layer.self_attn, x) for layer in model.model.layers]
+        assert counter.frame_count == graphs, name
+        expected = [w or 0 for w in layer_windows(model.config)]
+        assert [float(o[0]) for o in outs] == [float(w) for w in expected], name

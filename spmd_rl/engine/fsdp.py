@@ -160,6 +160,7 @@ class FSDPEngine:
         model.config.use_cache = False
         # RoPE on the projections' own layout, no transposed copies (engine/attention.py); others keep HF's
         self.natural_attention = attention.install(model)
+        ulysses.annotate_windows(model)  # before compile: no guard on layer_idx (one graph for all layers)
         # MoE: the router's load-balancing loss (HF's aux_loss) in training forwards
         self.router_aux = getattr(model.config, "output_router_logits", None) is not None
         self.moe_aux_coef = moe_aux_coef

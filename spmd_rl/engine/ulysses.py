@@ -220,9 +220,23 @@ def block_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return ((segment_ids[:, :, None] == segment_ids[:, None, :]) & causal)[:, None]
 
 
+def annotate_windows(model: torch.nn.Module) -> None:
+    """Store each attention module's sliding window (or None) as its ``spmd_window`` attribute, before any
+    layer is compiled. Looked up inside a compiled layer as ``layer_windows(config)[layer_idx]``, the
+    window made torch.compile guard on ``layer_idx``: one recompile per layer, and past the recompile
+    limit (8) the later layers ran eager (Qwen3-1.7B's update). A stored value is guarded by value, so
+    every full-attention layer shares one compiled graph (two for Gemma 3's sliding/global layers)."""
+    for module in model.modules():
+        config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+        if config is not None and isinstance(idx, int):
+            module.spmd_window = layer_windows(config)[idx]
+
+
 def layer_window(module: torch.nn.Module) -> int | None:
     """The sliding window of the attention ``module``'s layer (:func:`spmd_rl.models.families.layer_windows`
-    of its config at its ``layer_idx``), None for a full causal layer."""
+    of its config at its ``layer_idx``; stored by :func:`annotate_windows`), None for a full causal layer."""
+    if hasattr(module, "spmd_window"):
+        return module.spmd_window
     config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
     if config is None or idx is None:
         return None
@@ -289,5 +303,5 @@ def register_attention() -> None:
 
 
 __all__ = ["ATTENTION_NAME", "AttnSpec", "block_causal_mask", "check_heads", "flash_varlen_available",
-           "gather_sequence", "heads_to_seq", "layer_window", "register_attention", "seq_to_heads", "varlen_runs",
+           "annotate_windows", "gather_sequence", "heads_to_seq", "layer_window", "register_attention", "seq_to_heads", "varlen_runs",
            "varlen_sdpa"]
