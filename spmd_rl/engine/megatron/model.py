@@ -29,6 +29,26 @@ from spmd_rl.distributed.dims import MegatronLayout
 from spmd_rl.models import sliding_window
 
 
+def _qwen3_moe_routing(config) -> tuple[int, int, int, bool]:
+    dense = sorted(set(getattr(config, "mlp_only_layers", None) or []))
+    step = getattr(config, "decoder_sparse_step", 1)
+    if dense or step != 1:
+        raise ValueError(f"actor.engine=megatron converts Qwen3-MoE models whose every layer is routed; this one "
+                         f"has dense layers (mlp_only_layers={dense}, decoder_sparse_step={step}); use "
+                         f"--actor.engine fsdp for this model")
+    return config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, bool(config.norm_topk_prob)
+
+
+_ROUTING = {
+    "mixtral": lambda c: (c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True),
+    "qwen3_moe": _qwen3_moe_routing,
+}
+"""MoE model type -> ``(experts, top_k, expert MLP width, renormalised top-k)`` read from its config
+(every layer routed, no shared expert); other types are dense."""
+_QK_NORM = frozenset({"qwen3", "qwen3_moe"})
+"""Model types with an RMSNorm over each query and key head."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The shape of a supported HF decoder, in the terms both conversions need."""
@@ -85,21 +105,7 @@ class ModelSpec:
         theta = rope.get("rope_theta")
         theta = theta if theta is not None else getattr(config, "rope_theta", 10000.0)
         heads = config.num_attention_heads
-        experts = top_k = moe_ffn = 0
-        ffn = config.intermediate_size
-        norm_topk = True
-        if model_type == "mixtral":
-            experts, top_k, moe_ffn = config.num_local_experts, config.num_experts_per_tok, config.intermediate_size
-        elif model_type == "qwen3_moe":
-            dense = sorted(set(getattr(config, "mlp_only_layers", None) or []))
-            step = getattr(config, "decoder_sparse_step", 1)
-            if dense or step != 1:
-                raise ValueError(f"actor.engine=megatron converts Qwen3-MoE models whose every layer is routed; this "
-                                 f"one has dense layers (mlp_only_layers={dense}, decoder_sparse_step={step}); use "
-                                 f"--actor.engine fsdp for this model")
-            experts, top_k = config.num_experts, config.num_experts_per_tok
-            ffn = moe_ffn = config.moe_intermediate_size
-            norm_topk = bool(config.norm_topk_prob)
+        experts, top_k, moe_ffn, norm_topk = _ROUTING.get(model_type, lambda c: (0, 0, 0, True))(config)
         if experts and top_k == 1 and norm_topk:
             # the renormalised probability is 1: HF's router gets no gradient; megatron-core refuses the case
             raise ValueError(f"actor.engine=megatron cannot route top-1 with renormalised probabilities ({model_type}, "
@@ -108,12 +114,12 @@ class ModelSpec:
             layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            ffn=ffn, vocab=config.vocab_size, eps=config.rms_norm_eps,
+            ffn=moe_ffn or config.intermediate_size, vocab=config.vocab_size, eps=config.rms_norm_eps,
             rope_theta=float(theta), max_positions=config.max_position_embeddings,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(getattr(config, "attention_bias", False)),
             experts=experts, top_k=top_k, moe_ffn=moe_ffn, family=model_type, sliding_window=sliding_window(config),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"), norm_topk=norm_topk, rope_llama3=llama3,
+            qk_norm=model_type in _QK_NORM, norm_topk=norm_topk, rope_llama3=llama3,
         )
 
     def padded_vocab(self, tp: int) -> int:
