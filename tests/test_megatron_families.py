@@ -1,9 +1,10 @@
 """The megatron engine on the 2026 families (gloo, fp32, CPU): tiny random Qwen3 (q/k RMSNorm, a head_dim
-that is not hidden / heads), Qwen3-MoE (4 routed experts, top 2, renormalised) and Llama with ``llama3``
-RoPE scaling, built from transformers' config classes. On 2 processes, per family and layout (tp 2; ep 2
-for the MoE): HF -> megatron -> HF is bit-identical, the engine's log-probs equal the Hugging Face
-forward's within 1e-5, and one GRPO update equals the same update in one plain HF process (as
-``test_megatron_parity`` does for the dense families). One spawn serves every family.
+that is not hidden / heads), Qwen3-MoE (4 routed experts, top 2; renormalised under tp 2 + sequence
+parallel, not renormalised under ep 2) and Llama with ``llama3`` RoPE scaling, built from transformers'
+config classes. On 2 processes, per family and layout: HF -> megatron -> HF is bit-identical, RoPE's
+frequencies are HF's, the engine's log-probs equal the Hugging Face forward's within 1e-5, and one GRPO
+update equals the same update in one plain HF process (as ``test_megatron_parity`` does for the dense
+families). One spawn serves every family.
 
 Run: ``python -m pytest tests/test_megatron_families.py -q -s``.
 """
@@ -34,23 +35,28 @@ COMMON = dict(vocab_size=112, hidden_size=32, intermediate_size=48, num_hidden_l
 # 10 * TOL through the whole tensor; every other element to TOL, as test_megatron_parity.
 QUIET_GRAD = 1e-7
 # family -> the layouts it runs under on the 2-process world
-LAYOUTS = {"qwen3": {"tp2": dict(tp=2)}, "qwen3_moe": {"tp2_sp": dict(tp=2, sequence_parallel=True), "ep2": dict(ep=2)},
-           "llama3": {"tp2": dict(tp=2)}}
+LAYOUTS = {"qwen3": {"tp2": dict(tp=2)}, "qwen3_moe": {"tp2_sp": dict(tp=2, sequence_parallel=True)},
+           "qwen3_moe_raw": {"ep2": dict(ep=2)}, "llama3": {"tp2": dict(tp=2)}}
+
+
+def _qwen3_moe(norm_topk_prob: bool):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                              norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.0, **COMMON))
 
 
 def family_folders(root) -> dict[str, str]:
-    """The three tiny models saved as HF folders. Every weight is perturbed (norms around 1), so a
+    """The tiny models saved as HF folders (``qwen3_moe_raw``: top-k probabilities not renormalised). Every weight is perturbed (norms around 1), so a
     swapped q/k norm or a misplaced head shows; ``original_max_position_embeddings`` 64 puts head_dim 8's
     four RoPE frequencies (wavelengths 6, 63, 628, 6283) in all three llama3 bands: kept (< 64 / 4),
     blended, divided by the factor (> 64)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     builds = {
         "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(head_dim=16, **COMMON)),
-        "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
-            router_aux_loss_coef=0.0, **COMMON)),
+        "qwen3_moe": lambda: _qwen3_moe(True),
+        "qwen3_moe_raw": lambda: _qwen3_moe(False),
         "llama3": lambda: LlamaForCausalLM(LlamaConfig(rope_parameters=dict(
             rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=64), **COMMON)),
