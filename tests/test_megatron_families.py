@@ -42,13 +42,14 @@ LAYOUTS = {"qwen3": {"tp2": dict(tp=2)}, "qwen3_moe": {"tp2_sp": dict(tp=2, sequ
 def _qwen3_moe(norm_topk_prob: bool):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                              norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.0, **COMMON))
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=16, norm_topk_prob=norm_topk_prob,
+                                              router_aux_loss_coef=0.0, **COMMON))
 
 
 def family_folders(root) -> dict[str, str]:
-    """The tiny models saved as HF folders (``qwen3_moe_raw``: top-k probabilities not renormalised). Every weight is perturbed (norms around 1), so a
-    swapped q/k norm or a misplaced head shows; ``original_max_position_embeddings`` 64 puts head_dim 8's
+    """The tiny models saved as HF folders (``qwen3_moe_raw``: top-k probabilities not renormalised).
+    Every weight is perturbed (norms around 1), so a swapped q/k norm or a misplaced head shows; ``original_max_position_embeddings`` 64 puts head_dim 8's
     four RoPE frequencies (wavelengths 6, 63, 628, 6283) in all three llama3 bands: kept (< 64 / 4),
     blended, divided by the factor (> 64)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
