@@ -49,9 +49,9 @@ def _qwen3_moe(norm_topk_prob: bool):
 
 def family_folders(root) -> dict[str, str]:
     """The tiny models saved as HF folders (``qwen3_moe_raw``: top-k probabilities not renormalised).
-    Every weight is perturbed (norms around 1), so a swapped q/k norm or a misplaced head shows; ``original_max_position_embeddings`` 64 puts head_dim 8's
-    four RoPE frequencies (wavelengths 6, 63, 628, 6283) in all three llama3 bands: kept (< 64 / 4),
-    blended, divided by the factor (> 64)."""
+    Every weight is perturbed (norms around 1), so a swapped q/k norm or a misplaced head shows;
+    ``original_max_position_embeddings`` 64 puts head_dim 8's four RoPE frequencies (wavelengths 6,
+    63, 628, 6283) in all three llama3 bands: kept (< 64 / 4), blended, divided by the factor (> 64)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     builds = {
