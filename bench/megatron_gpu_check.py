@@ -68,7 +68,8 @@ def family_folder(family: str) -> str:
     config_cls, model_cls, extra = FAMILIES[family]
     if dist.get_rank() == 0 and not (folder / "COMPLETE").exists():
         torch.manual_seed(0)
-        getattr(transformers, model_cls)(getattr(transformers, config_cls)(**FAMILY_SHAPE, **extra)).save_pretrained(folder)
+        config = getattr(transformers, config_cls)(**FAMILY_SHAPE, **extra)
+        getattr(transformers, model_cls)(config).save_pretrained(folder)
         (folder / "COMPLETE").touch()
     dist.barrier()
     return str(folder)
@@ -254,7 +255,8 @@ def main() -> int:
         ps.destroy_model_parallel()
         rows.append(row)
     if rank == 0:
-        print(f"\nmegatron vs FSDP engine, {args.family or args.model}, {world} x {device.type}, bf16={device.type == 'cuda'}; "
+        print(f"\nmegatron vs FSDP engine, {args.family or args.model}, {world} x {device.type}, "
+              f"bf16={device.type == 'cuda'}; "
               f"FSDP: loss {base_loss:.6f}, grad_norm {base_norm:.5f}, fsdp step {fsdp_step:.3f}; "
               f"{int(mask.sum())} response tokens")
         print(f"{'layout':8} {'|dlogp| max':>12} {'|dlogp| mean':>13} {'loss':>11} {'loss rel':>9} "
