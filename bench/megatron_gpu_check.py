@@ -3,15 +3,16 @@
     torchrun --standalone --nproc-per-node 2 bench/megatron_gpu_check.py                    # SmolLM2-135M
     torchrun --standalone --nproc-per-node 2 bench/megatron_gpu_check.py --model tiny-random
     torchrun --standalone --nproc-per-node 1 bench/megatron_gpu_check.py --layouts dp        # one GPU
+    torchrun --standalone --nproc-per-node 2 bench/megatron_gpu_check.py --family qwen3_moe  # qwen3 / llama3 too
     python bench/megatron_gpu_check.py --device cpu ... (under torchrun; needs the test shims:
         PYTHONPATH=tests and --cpu-shims) for a smoke run without GPUs
 
 Every rank builds the same deterministic GRPO batch (ragged prompts and responses, advantages, old
 and reference log-probs = the model's own plus noise so clipping and KL are active). The FSDP
 engine (data parallel over all ranks) is the baseline: its log-probs, its summed loss, gradient
-norm and updated weights after one ``train_mini_batch``. Then, for each megatron layout
-(``dp`` = tp 1 pp 1, ``tp2``, ``pp2``, ``tp2_sp``), the megatron engine does the same from the same
-HF weights; rank 0 prints one row per layout: max / mean |log-prob difference| over response
+norm and updated weights after one ``train_mini_batch``. Then, for each megatron layout (``dp`` =
+tp 1 pp 1, ``tp2``, ``pp2``, ``tp2_sp``, ``ep2`` for an MoE model), the megatron engine does the same
+from the same HF weights; rank 0 prints one row per layout: max / mean |log-prob difference| over response
 tokens, relative loss and grad-norm differences, and the max relative difference of the updated
 weights (full HF tensors from ``named_full_tensors``). bf16 compute on both sides, so expect
 log-prob differences around 1e-2 (different kernels and reduction orders), loss and grad norm within
@@ -40,7 +41,38 @@ import traceback
 import torch
 import torch.distributed as dist
 
-LAYOUTS = {"dp": {}, "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2_sp": dict(tp=2, sequence_parallel=True)}
+LAYOUTS = {"dp": {}, "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2_sp": dict(tp=2, sequence_parallel=True),
+           "ep2": dict(ep=2)}
+# --family: a random model of the family at a small real-looking shape (head_dim 128 != hidden / heads,
+# as Qwen3; Llama 3.1's llama3 RoPE numbers), built once under $BENCH_MODELS
+FAMILY_SHAPE = dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                    num_key_value_heads=4, vocab_size=4096, max_position_embeddings=16384, rms_norm_eps=1e-6,
+                    tie_word_embeddings=False)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=128, rope_theta=1e6)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=128, num_experts=8, num_experts_per_tok=2,
+                                                                moe_intermediate_size=256, norm_topk_prob=True,
+                                                                rope_theta=1e6)),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192))),
+}
+
+
+def family_folder(family: str) -> str:
+    """The random ``--family`` model's folder (rank 0 builds it on first use; collective)."""
+    import transformers
+    from pathlib import Path
+
+    folder = Path(os.environ.get("BENCH_MODELS", "/tmp/spmd_rl_bench_models")) / f"megatron-check-{family}"
+    config_cls, model_cls, extra = FAMILIES[family]
+    if dist.get_rank() == 0 and not (folder / "COMPLETE").exists():
+        torch.manual_seed(0)
+        config = getattr(transformers, config_cls)(**FAMILY_SHAPE, **extra)
+        getattr(transformers, model_cls)(config).save_pretrained(folder)
+        (folder / "COMPLETE").touch()
+    dist.barrier()
+    return str(folder)
 
 
 def parse() -> argparse.Namespace:
@@ -49,6 +81,8 @@ def parse() -> argparse.Namespace:
                    "heads / 3 kv heads: no tp2; use --model tiny-random --tiny 4 256 8 4 for tp)")
     p.add_argument("--tiny", nargs=4, type=int, default=None, metavar=("LAYERS", "HIDDEN", "HEADS", "KV_HEADS"),
                    help="shape of --model tiny-random")
+    p.add_argument("--family", choices=list(FAMILIES), default=None,
+                   help="instead of --model: a random model of this family (a shape of FAMILY_SHAPE)")
     p.add_argument("--layouts", nargs="+", default=None, help=f"subset of {list(LAYOUTS)} (default: all that fit)")
     p.add_argument("--rows", type=int, default=16, help="responses in the batch (all ranks see the whole batch)")
     p.add_argument("--response-len", type=int, default=48)
@@ -131,7 +165,7 @@ def main() -> int:
     from spmd_rl.distributed.dims import FsdpLayout, MegatronLayout
     from spmd_rl.engine.fsdp import FSDPEngine
     from spmd_rl.engine.megatron import MegatronEngine
-    from spmd_rl.engine.megatron.model import ModelSpec, check_layout
+    from spmd_rl.engine.megatron.model import ModelSpec, check_layout, transformer_config
     from transformers import AutoConfig
 
     def load_config(folder: str):
@@ -147,7 +181,7 @@ def main() -> int:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    folder = resolve_bench_model(args.model, args.tiny)
+    folder = family_folder(args.family) if args.family else resolve_bench_model(args.model, args.tiny)
     actor = ActorConfig(lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01, grad_clip=1.0)
 
     fsdp = FSDPEngine(model_folder=folder, mesh=FsdpLayout(world).build(device.type), device=device, fsdp=FsdpConfig(),
@@ -173,7 +207,8 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    names = args.layouts or [n for n, kw in LAYOUTS.items() if world % (kw.get("tp", 1) * kw.get("pp", 1)) == 0]
+    names = args.layouts or [n for n, kw in LAYOUTS.items()
+                             if world % (kw.get("tp", 1) * kw.get("pp", 1) * kw.get("ep", 1)) == 0]
     rows, failed = [], False
     spec = ModelSpec.from_hf(load_config(folder))
     for name in names:
@@ -182,6 +217,8 @@ def main() -> int:
         try:
             layout = MegatronLayout(world, **kw)
             check_layout(spec, layout)
+            transformer_config(spec, layout, params_dtype=torch.float32, bf16=False, sequence_parallel=sp,
+                               batch_p2p_comm=True)  # refuses MoE under tp without sequence parallel
         except ValueError as e:  # the model cannot be split this way: say why, do not count it
             rows.append(dict(layout=name, skipped=str(e)))
             continue
@@ -218,7 +255,8 @@ def main() -> int:
         ps.destroy_model_parallel()
         rows.append(row)
     if rank == 0:
-        print(f"\nmegatron vs FSDP engine, {args.model}, {world} x {device.type}, bf16={device.type == 'cuda'}; "
+        print(f"\nmegatron vs FSDP engine, {args.family or args.model}, {world} x {device.type}, "
+              f"bf16={device.type == 'cuda'}; "
               f"FSDP: loss {base_loss:.6f}, grad_norm {base_norm:.5f}, fsdp step {fsdp_step:.3f}; "
               f"{int(mask.sum())} response tokens")
         print(f"{'layout':8} {'|dlogp| max':>12} {'|dlogp| mean':>13} {'loss':>11} {'loss rel':>9} "

@@ -24,6 +24,7 @@ import tyro
 
 from spmd_rl.config import load_config
 from spmd_rl.distributed.plan import Plan, plan
+from spmd_rl.engine import engine_spec
 
 
 @dataclass(kw_only=True)
@@ -67,6 +68,7 @@ def describe(p: Plan) -> dict[str, Any]:
         "world_size": p.world_size,
         "nproc_per_node": p.nproc_per_node,
         "engine": p.engine,
+        "engine_models": engine_spec(p.engine).models(),
         "colocate": p.colocate,
         "pools": [{"name": s.name, "start": s.start, "size": s.size} for s in p.pools],
         "memory_fractions": dict(p.memory_fractions),
@@ -103,6 +105,7 @@ def render(p: Plan) -> str:
     nodes = f" = {p.num_nodes} nodes x {p.nproc_per_node} processes" if p.nproc_per_node else ""
     out.append(f"world size {p.world_size}{nodes}; actor engine {p.engine}; "
                f"actor data-parallel size {p.dp_size}; rollout data-parallel size {p.rollout_dp_size}")
+    out.append(f"actor engine {p.engine} trains: {engine_spec(p.engine).models()}")
     out.append("pools: " + "; ".join(f"{s.name} = global ranks {s.start}..{s.end - 1} ({s.size})" for s in p.pools))
     for name, why in p.unavailable.items():
         out.append(f"{name}: n/a ({why})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from spmd_rl.models import sliding_window
-from spmd_rl.models.families import FAMILIES, layer_windows, supported_families
+from spmd_rl.models.families import FAMILIES, MEGATRON_FAMILIES, layer_windows, megatron_families, supported_families
 
 SMALL = dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=3, intermediate_size=64, vocab_size=50)
 
@@ -32,3 +32,15 @@ def test_help_names_every_family() -> None:
     assert "Model types on the fast paths (built-in rollout decode, FSDP engine attention): " + \
         ", ".join(FAMILIES) + ";" in " ".join(source.split())
     assert supported_families().startswith("llama (Llama 2 / 3.x")
+
+
+def test_help_names_the_megatron_families() -> None:
+    """``--actor.engine``'s help lists the model types the megatron engine converts, which are the
+    table's (the engine refuses the others by name: tests/test_megatron_model.py)."""
+    from spmd_rl.config.engines import ActorConfig
+    import inspect
+
+    source = " ".join(inspect.getsource(ActorConfig).split())
+    assert "megatron-core (`actor.megatron.*`; model types llama (incl. llama3 RoPE scaling), " + \
+        ", ".join(list(MEGATRON_FAMILIES)[1:]) + ";" in source
+    assert "gemma3_text" not in MEGATRON_FAMILIES and megatron_families().startswith("llama (Llama 2 / 3.x")

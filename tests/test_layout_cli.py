@@ -53,6 +53,8 @@ def test_json_megatron_tp2_pp2_16_ranks() -> None:
     assert (r5["megatron"]["tp"], r5["megatron"]["dp"], r5["megatron"]["pp"]) == (1, 2, 0)
     assert (r5["node"], r5["local_rank"]) == (0, 5) and (d["ranks"][13]["node"], d["ranks"][13]["local_rank"]) == (1, 5)
     assert d["actor_dp_size"] == 4 and d["rollout_dp_size"] == 8
+    assert d["engine_models"].startswith("llama (Llama 2 / 3.x") and "qwen3_moe (Qwen3-MoE" in d["engine_models"]
+    assert "gemma3_text" not in d["engine_models"]  # the FSDP engine's only
 
 
 def test_reward_pool_tables_and_json() -> None:
@@ -62,6 +64,7 @@ def test_reward_pool_tables_and_json() -> None:
     assert out.returncode == 0, out.stderr
     assert "reward = global ranks 3..3 (1)" in out.stdout and "reward.fsdp.fsdp" in out.stdout
     assert "fsdp.ddp" in out.stdout and "rollout.tp" in out.stdout
+    assert "actor engine fsdp trains: any Hugging Face causal LM (its own attention for llama, " in out.stdout
     d = json.loads(run_layout(*args, "--json").stdout)
     assert d["groups"]["reward.fsdp.fsdp"] == [[3]] and d["groups"]["fsdp.fsdp"] == [[0, 1, 2]]
     assert d["ranks"][3]["pools"] == {"reward": 0} and d["ranks"][3]["fsdp"] is None

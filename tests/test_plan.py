@@ -46,6 +46,9 @@ RULES = [
     (["--pools.rollout-ranks", "3", "--data.train-batch-size", "8", "--actor.ppo-mini-batch-size", "8"], 4,
      "data.train_batch_size (8) must be divisible by the rollout data-parallel size (3) = rollout pool size (3) / "
      "(rollout.tp (1) * rollout.pp (1))"),
+    (["--actor.engine", "megatron", "--algo.moe-aux-coef", "0.01"], 1,
+     "algo.moe_aux_coef=0.01 adds the router's load-balancing loss, which actor.engine=megatron does not compute "
+     "(its MoE layers train without it): use --algo.moe-aux-coef 0 or --actor.engine fsdp"),
     (["--actor.engine", "megatron", "--actor.use-packing"], 1,
      "actor.use_packing apply to actor.engine=fsdp only; unset them for actor.engine=megatron"),
     (["--actor.engine", "megatron", "--actor.max-tokens-per-gpu", "4096", "--actor.fsdp.ulysses-size", "2"], 2,

@@ -119,7 +119,8 @@ class LoraConfig:
 @dataclass(kw_only=True)
 class ActorConfig:
     engine: Literal["fsdp", "megatron"] = "fsdp"
-    """Training engine: FSDP2 (`actor.fsdp.*`) or megatron-core (`actor.megatron.*`)."""
+    """Training engine: FSDP2 (`actor.fsdp.*`; any causal LM) or megatron-core (`actor.megatron.*`; model types
+    llama (incl. llama3 RoPE scaling), mistral, qwen2, qwen3, qwen3_moe, mixtral; others are refused at start)."""
     lr: float = 1e-5
     """Peak learning rate of AdamW."""
     betas: tuple[float, float] = (0.9, 0.999)

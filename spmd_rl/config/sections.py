@@ -170,7 +170,8 @@ class AlgoConfig:
     """Entropy bonus weight (0 = off; entropy is logged either way)."""
     moe_aux_coef: float = 0.0
     """Weight of a mixture-of-experts actor's router load-balancing loss (Hugging Face's `aux_loss`, Switch
-    Transformer style) in the actor loss; 0 = off. Logged as `actor/moe_aux_loss` either way (FSDP engine)."""
+    Transformer style) in the actor loss; 0 = off. Logged as `actor/moe_aux_loss` either way (FSDP engine; the
+    megatron engine does not compute it and refuses > 0)."""
     rollout_is: Literal["none", "token_truncated"] = "none"
     """Importance-sampling correction of the rollout/trainer log-prob mismatch (e.g. vLLM vs FSDP):
     `token_truncated` multiplies each token's policy loss by min(exp(old - rollout), algo.rollout_is_cap),

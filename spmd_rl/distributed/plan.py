@@ -209,6 +209,11 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
         raise ValueError(f"actor.lora.rank={cfg.actor.lora.rank} trains LoRA adapters, which actor.engine="
                          f"{cfg.actor.engine} does not support: use --actor.engine {' or '.join(supported)}, or "
                          f"--actor.lora.rank 0 for full fine-tuning")
+    if cfg.algo.moe_aux_coef > 0 and not engine.moe_aux:
+        supported = sorted(name for name, spec in ENGINES.items() if spec.moe_aux)
+        raise ValueError(f"algo.moe_aux_coef={cfg.algo.moe_aux_coef} adds the router's load-balancing loss, which "
+                         f"actor.engine={cfg.actor.engine} does not compute (its MoE layers train without it): use "
+                         f"--algo.moe-aux-coef 0 or --actor.engine {' or '.join(supported)}")
     ignored = engine.ignored_flags(cfg.actor)
     if ignored:
         raise ValueError(f"{', '.join(ignored)} apply to actor.engine=fsdp only; unset them for "

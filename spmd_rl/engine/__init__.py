@@ -59,6 +59,11 @@ class EngineSpec:
     """What the layout tool should say before a run starts (the engine refuses it at start)."""
     lora: bool = False
     """It trains LoRA adapters (``actor.lora.rank`` > 0) and its actor is its own reference then."""
+    moe_aux: bool = False
+    """It adds an MoE router's load-balancing loss to the actor loss (``algo.moe_aux_coef`` > 0)."""
+    models: Callable[[], str] = field(default=lambda: "")
+    """The models it trains, in words (the layout tool prints it; :mod:`spmd_rl.models.families`, imported
+    only when asked: it loads transformers)."""
 
 
 def _fsdp_layouts(actor: ActorConfig, size: int) -> dict[str, Any]:
@@ -122,11 +127,24 @@ def _megatron_ignored(actor: ActorConfig) -> list[str]:
                                   ("actor.fsdp.optimizer_offload", actor.fsdp.optimizer_offload)) if on]
 
 
+def _fsdp_models() -> str:
+    from spmd_rl.models.families import FAMILIES
+
+    return f"any Hugging Face causal LM (its own attention for {', '.join(FAMILIES)})"
+
+
+def _megatron_models() -> str:
+    from spmd_rl.models.families import megatron_families
+
+    return megatron_families()
+
+
 ENGINES: dict[str, EngineSpec] = {
     "fsdp": EngineSpec(layouts=_fsdp_layouts, meshes=("fsdp", "ulysses"), batch_layout="ulysses", build=_build_fsdp,
-                       critic=True, lora=True),
+                       critic=True, lora=True, moe_aux=True,
+                       models=_fsdp_models),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
-                           export_copy=True, ignored_flags=_megatron_ignored),
+                           export_copy=True, ignored_flags=_megatron_ignored, models=_megatron_models),
 }
 
 

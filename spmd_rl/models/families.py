@@ -1,9 +1,11 @@
 """The model families the fast paths compute, and what sets each apart: one table, read by the built-in
-rollout's decoder (:mod:`spmd_rl.rollout.layers`) and the FSDP engine's attention (:mod:`spmd_rl.engine.attention`).
+rollout's decoder (:mod:`spmd_rl.rollout.layers`) and the FSDP engine's attention (:mod:`spmd_rl.engine.attention`);
+and the model types the megatron engine converts (:data:`MEGATRON_FAMILIES`).
 
     family = FAMILIES.get(config.model_type)      # None: the HF forward / HF decode loop, logged once
     windows = layer_windows(config)               # per layer: the sliding window, or None (full causal)
     print(supported_families())                   # "llama (Llama 2 / 3.x, incl. llama3 RoPE), ..."
+    print(megatron_families())                    # the model types actor.engine=megatron converts
 
 A model type outside the table still trains and generates through the Hugging Face forward; the
 rollout logs the reason it fell back (:func:`spmd_rl.rollout.layers.unsupported_reason`).
@@ -39,9 +41,23 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+MEGATRON_FAMILIES: dict[str, str] = {
+    **{name: FAMILIES[name].label for name in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")},
+    "mixtral": "Mixtral (routed experts)",
+}
+"""The model types ``actor.engine=megatron`` converts to megatron-core and back
+(:mod:`spmd_rl.engine.megatron.convert`), with their labels; any other is refused at start, naming it.
+Mixtral is converted there, while the fast paths above run it through the Hugging Face forward."""
+
+
 def supported_families() -> str:
     """One line: every ``model_type`` of :data:`FAMILIES` with its label."""
     return ", ".join(f"{name} ({family.label})" for name, family in FAMILIES.items())
+
+
+def megatron_families() -> str:
+    """One line: every ``model_type`` of :data:`MEGATRON_FAMILIES` with its label."""
+    return ", ".join(f"{name} ({label})" for name, label in MEGATRON_FAMILIES.items())
 
 
 def layer_windows(config) -> list[int | None]:
@@ -58,4 +74,4 @@ def layer_windows(config) -> list[int | None]:
     return [int(window) if t == "sliding_attention" else None for t in types[:n]]
 
 
-__all__ = ["FAMILIES", "Family", "layer_windows", "supported_families"]
+__all__ = ["FAMILIES", "Family", "MEGATRON_FAMILIES", "layer_windows", "megatron_families", "supported_families"]

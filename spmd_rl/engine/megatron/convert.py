@@ -7,16 +7,18 @@ Layouts (megatron-core's local spec, per model chunk):
 
 * ``linear_qkv`` fuses q, k, v per query group: for each of the ``kv_heads`` groups, its
   ``heads / kv_heads`` query heads, then its key head, then its value head (rows of ``head_dim``);
-  tp ranks hold contiguous runs of whole groups. Biases (Qwen2) follow the same row order.
+  tp ranks hold contiguous runs of whole groups. Biases (Qwen2) follow the same row order. Qwen3's
+  ``q_norm`` / ``k_norm`` (one ``head_dim`` weight each, shared by all heads) are megatron's
+  ``q_layernorm`` / ``k_layernorm``, replicated over tp.
 * ``linear_fc1`` fuses gate and up per tp rank: rank r holds ``[gate_r; up_r]``, the r-th row
   slices of each (column parallel). ``linear_proj`` / ``linear_fc2`` are row parallel (split on dim 1).
 * embeddings and the output layer are split on the vocabulary, padded to a multiple of tp with zero
   rows; with tied embeddings the last stage holds its own copy (megatron keeps the two equal by
   all-reducing their gradients over the embedding group).
-* MoE (Mixtral): the router is replicated; expert e lives on ep rank ``e // (experts / ep)`` as
-  local expert ``e % (experts / ep)``, split over etp like a dense MLP. HF (transformers 5) keeps
-  the experts fused: ``experts.gate_up_proj [E, 2I, H]`` (gate rows first) and ``experts.down_proj
-  [E, H, I]``.
+* MoE (Mixtral, Qwen3-MoE; the same HF names): the router (``mlp.gate``) is replicated; expert e
+  lives on ep rank ``e // (experts / ep)`` as local expert ``e % (experts / ep)``, split over etp
+  like a dense MLP. HF (transformers 5) keeps the experts fused: ``experts.gate_up_proj [E, 2I, H]``
+  (gate rows first) and ``experts.down_proj [E, H, I]``.
 
 Layer ``L`` lives in model chunk ``c = L // (layers / (pp * vpp))``, on pipeline stage ``c % pp``
 as virtual stage ``c // pp`` (megatron-core's interleaved assignment). Export gathers a tensor over
@@ -109,6 +111,9 @@ def _layer_units(spec: ModelSpec) -> list[tuple[str, str, tuple[str, ...]]]:
     if spec.qkv_bias:
         units.append(("self_attention.linear_qkv.bias", "qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                                                 "self_attn.v_proj.bias")))
+    if spec.qk_norm:  # Qwen3: per-head norms, replicated over tp
+        units += [("self_attention.q_layernorm.weight", "rep", ("self_attn.q_norm.weight",)),
+                  ("self_attention.k_layernorm.weight", "rep", ("self_attn.k_norm.weight",))]
     units += [("self_attention.linear_proj.weight", "row", ("self_attn.o_proj.weight",)),
               ("pre_mlp_layernorm.weight", "rep", ("post_attention_layernorm.weight",))]
     if spec.experts:

@@ -1,12 +1,15 @@
-"""A megatron-core GPT model built from a Hugging Face config (Llama / Qwen2 / Mistral dense,
-Mixtral-shaped MoE), with megatron-core's local layer spec (no TransformerEngine needed).
+"""A megatron-core GPT model built from a Hugging Face config (Llama 3.x / Qwen2 / Qwen3 / Mistral dense,
+Mixtral / Qwen3-MoE routed experts), with megatron-core's local layer spec (no TransformerEngine needed).
 
     spec = ModelSpec.from_hf(hf_config)                      # what we support, checked
     chunks = build_chunks(spec, layout, params_dtype=torch.float32)   # one GPTModel per vpp stage
 
 ``check_layout(spec, layout)`` raises ``ValueError`` naming the flag when the model cannot be
 split as asked (heads and kv heads % tp, MLP widths % tp / etp, layers % (pp * vpp), experts % ep;
-any cp fits: rows are padded to a multiple of 2 * cp). Only the default RoPE is supported. :func:`transformer_config` sets
+any cp fits: rows are padded to a multiple of 2 * cp). RoPE: the default, or Llama 3.x's ``llama3``
+scaling (:func:`scale_rope`). Qwen3's per-head q/k RMSNorm is megatron-core's ``qk_layernorm``;
+Qwen3-MoE's routed experts (no shared expert) take Mixtral's path, with or without renormalised
+top-k probabilities. :func:`transformer_config` sets
 dropout 0, no fused kernels and ``calculate_per_token_loss``. Two modules replace the local spec's:
 :class:`RMSNorm` (Hugging Face's fp32 math; marks its weight for sequence parallelism, which
 megatron's torch norm refuses) and :class:`CausalSDPA` (torch SDPA with ``is_causal`` as the core
@@ -24,6 +27,26 @@ import torch.nn.functional as F
 
 from spmd_rl.distributed.dims import MegatronLayout
 from spmd_rl.models import sliding_window
+
+
+def _qwen3_moe_routing(config) -> tuple[int, int, int, bool]:
+    dense = sorted(set(getattr(config, "mlp_only_layers", None) or []))
+    step = getattr(config, "decoder_sparse_step", 1)
+    if dense or step != 1:
+        raise ValueError(f"actor.engine=megatron converts Qwen3-MoE models whose every layer is routed; this one "
+                         f"has dense layers (mlp_only_layers={dense}, decoder_sparse_step={step}); use "
+                         f"--actor.engine fsdp for this model")
+    return config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, bool(config.norm_topk_prob)
+
+
+_ROUTING = {
+    "mixtral": lambda c: (c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True),
+    "qwen3_moe": _qwen3_moe_routing,
+}
+"""MoE model type -> ``(experts, top_k, expert MLP width, renormalised top-k)`` read from its config
+(every layer routed, no shared expert); other types are dense."""
+_QK_NORM = frozenset({"qwen3", "qwen3_moe"})
+"""Model types with an RMSNorm over each query and key head."""
 
 
 @dataclass(frozen=True)
@@ -47,38 +70,56 @@ class ModelSpec:
     top_k: int = 0
     moe_ffn: int = 0
     family: str = "llama"
-    """``llama`` (Llama, Qwen2, Mistral) or ``mixtral``: where the HF names live."""
+    """The Hugging Face ``model_type`` (one of :data:`~spmd_rl.models.families.MEGATRON_FAMILIES`)."""
     sliding_window: int | None = None
     """The model's sliding attention window; this engine's attention is full causal, so longer
     sequences are refused (:func:`spmd_rl.models.check_sliding_window`)."""
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm over each query and key head (``head_dim`` wide) before RoPE; megatron-core's
+    ``qk_layernorm``."""
+    norm_topk: bool = True
+    """MoE: the top-k routing probabilities are renormalised to sum to 1 (Mixtral always; Qwen3-MoE's
+    ``norm_topk_prob``); False = the top-k entries of the softmax over all experts, as they are."""
+    rope_llama3: tuple[float, float, float, int] | None = None
+    """Llama 3.x RoPE scaling: ``(factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings)``; None = RoPE as is (see :func:`scale_rope`)."""
 
     @staticmethod
     def from_hf(config) -> "ModelSpec":
+        from spmd_rl.models.families import MEGATRON_FAMILIES, megatron_families
+
         model_type = getattr(config, "model_type", "")
-        families = {"llama": "llama", "qwen2": "llama", "mistral": "llama", "mixtral": "mixtral"}
-        if model_type not in families:
-            raise ValueError(f"actor.engine=megatron supports Hugging Face model types {sorted(families)}, "
-                             f"got {model_type!r}; use --actor.engine fsdp for this model")
+        if model_type not in MEGATRON_FAMILIES:
+            raise ValueError(f"actor.engine=megatron does not convert Hugging Face model type {model_type!r}; it "
+                             f"supports {megatron_families()}; use --actor.engine fsdp for this model")
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if rope_type not in ("default", None):
-            raise ValueError(f"actor.engine=megatron supports the default RoPE only, the model has rope_type {rope_type!r}")
-        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        rope = rope if isinstance(rope, dict) else {}
+        rope_type = rope.get("rope_type", rope.get("type")) or "default"
+        llama3 = None
+        if rope_type == "llama3":
+            llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                      int(rope["original_max_position_embeddings"]))
+        elif rope_type != "default":
+            raise ValueError(f"actor.engine=megatron supports the default and the llama3 RoPE, the model has "
+                             f"rope_type {rope_type!r}; use --actor.engine fsdp for this model")
+        theta = rope.get("rope_theta")
         theta = theta if theta is not None else getattr(config, "rope_theta", 10000.0)
         heads = config.num_attention_heads
-        family = families[model_type]
-        experts = top_k = moe_ffn = 0
-        if family == "mixtral":
-            experts, top_k, moe_ffn = config.num_local_experts, config.num_experts_per_tok, config.intermediate_size
+        experts, top_k, moe_ffn, norm_topk = _ROUTING.get(model_type, lambda c: (0, 0, 0, True))(config)
+        if experts and top_k == 1 and norm_topk:
+            # the renormalised probability is 1: HF's router gets no gradient; megatron-core refuses the case
+            raise ValueError(f"actor.engine=megatron cannot route top-1 with renormalised probabilities ({model_type}, "
+                             f"{experts} experts); use --actor.engine fsdp for this model")
         return ModelSpec(
             layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            ffn=config.intermediate_size, vocab=config.vocab_size, eps=config.rms_norm_eps,
+            ffn=moe_ffn or config.intermediate_size, vocab=config.vocab_size, eps=config.rms_norm_eps,
             rope_theta=float(theta), max_positions=config.max_position_embeddings,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(getattr(config, "attention_bias", False)),
-            experts=experts, top_k=top_k, moe_ffn=moe_ffn, family=family, sliding_window=sliding_window(config),
+            experts=experts, top_k=top_k, moe_ffn=moe_ffn, family=model_type, sliding_window=sliding_window(config),
+            qk_norm=model_type in _QK_NORM, norm_topk=norm_topk, rope_llama3=llama3,
         )
 
     def padded_vocab(self, tp: int) -> int:
@@ -114,8 +155,14 @@ def transformer_config(spec: ModelSpec, layout: MegatronLayout, *, params_dtype:
     from megatron.core.transformer import TransformerConfig
 
     moe = {}
+    if spec.experts and layout.tp > 1 and not sequence_parallel:
+        # megatron-core refuses the combination at the first training forward; say it at start
+        raise ValueError(f"actor.megatron.tp ({layout.tp}) > 1 on a mixture-of-experts model needs "
+                         f"--actor.megatron.sequence-parallel (megatron-core trains MoE layers under tp only with it)")
     if spec.experts:
         moe = dict(num_moe_experts=spec.experts, moe_router_topk=spec.top_k, moe_ffn_hidden_size=spec.moe_ffn,
+                   # top-k of the logits, then a softmax over them = HF's renormalised top-k of the softmax
+                   moe_router_pre_softmax=not spec.norm_topk,
                    moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                    moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
                    moe_permute_fusion=False)
@@ -123,7 +170,8 @@ def transformer_config(spec: ModelSpec, layout: MegatronLayout, *, params_dtype:
         num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
         num_query_groups=spec.kv_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn,
         normalization="RMSNorm", layernorm_epsilon=spec.eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm, hidden_dropout=0.0,
+        attention_dropout=0.0,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
@@ -214,8 +262,11 @@ def build_chunks(spec: ModelSpec, layout: MegatronLayout, config, *, context_par
             # router's linear: without TE every MoE forward raises NameError. None = its torch path.
             moe_utils.te_general_gemm = None
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts or None, moe_grouped_gemm=False,
-                                          normalization="RMSNorm")
+                                          normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.input_layernorm = RMSNorm
+    if spec.qk_norm:  # built per head (hidden_size = head_dim); megatron all-reduces their gradients over tp
+        layer_spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        layer_spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
     if context_parallel if context_parallel is not None else layout.cp > 1:
         from spmd_rl.engine.megatron.context import ContextParallelSDPA
 
@@ -238,4 +289,19 @@ def build_chunks(spec: ModelSpec, layout: MegatronLayout, config, *, context_par
             rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
             vp_stage=vp,
         ))
+        scale_rope(chunks[-1], spec)
     return chunks
+
+
+def scale_rope(chunk: torch.nn.Module, spec: ModelSpec) -> None:
+    """Llama 3.x RoPE scaling on ``chunk``'s rotary embedding, the one place it is set: megatron-core's
+    own ``RotaryEmbedding._apply_scaling`` (the same frequency blend as Hugging Face's ``llama3`` RoPE)
+    called with the model's four numbers. megatron's ``rope_scaling`` option cannot express them: it
+    takes the factor only and fixes the rest to Llama 3.1's (1, 4, 8192). Runs before any forward, so
+    nothing has cached frequencies yet; the tensor keeps its device."""
+    if spec.rope_llama3 is None:
+        return
+    factor, low, high, original = spec.rope_llama3
+    rotary = chunk.rotary_pos_emb
+    rotary.inv_freq = rotary._apply_scaling(rotary.inv_freq, factor=factor, low_freq_factor=low,
+                                            high_freq_factor=high, original_max_position_embeddings=original)
