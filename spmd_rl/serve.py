@@ -37,7 +37,8 @@ def serve_pool(cfg: Config, env: DistEnv, groups: RunGroups) -> int:
         engine = build_rollout_from_config(
             cfg.rollout, model_folder=folder, device=env.device, pad_token_id=int(tokenizer.pad_token_id),
             eos_token_ids=eos_token_ids(tokenizer), trust_remote_code=cfg.model.trust_remote_code,
-            max_prompt_length=cfg.data.max_prompt_length, seed=rollout_seed(cfg, replica))
+            max_prompt_length=cfg.data.max_prompt_length, seed=rollout_seed(cfg, replica),
+            pool_groups=groups.rollout_pool_groups)
         try:
             # never asleep: its memory is its own (its pool's ranks, or its capped share of a shared GPU)
             return serve_rollout_pool(engine=engine, link=groups.rollout_link, replica=replica, sleep_level=0)

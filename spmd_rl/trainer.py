@@ -102,7 +102,8 @@ class Trainer:
         self.rollout = None if self.link else build_rollout_from_config(
             cfg.rollout, model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
             eos_token_ids=self.eos_ids, trust_remote_code=cfg.model.trust_remote_code,
-            max_prompt_length=cfg.data.max_prompt_length, seed=rollout_seed(cfg, self.place.rollout_dp))
+            max_prompt_length=cfg.data.max_prompt_length, seed=rollout_seed(cfg, self.place.rollout_dp),
+            pool_groups=groups.rollout_pool_groups)
         self.policy_version = self.rollout_version = 0  # actor updates so far / those the rollout holds
         self.row_weight = 1.0  # what a row this rank holds counts in sums (< 1 where rows repeat over ranks)
         # Old log-probs: needed for several optimizer steps per batch, by the IS correction (the trainer's

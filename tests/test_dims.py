@@ -366,9 +366,7 @@ def test_plan_rollout_replica_rules() -> None:
         plan(cfg, 8)
     vllm = make_cfg(train=6, mini=6, reward=2)
     vllm.rollout.backend = "vllm"
-    with pytest.raises(ValueError, match=r"rollout\.backend=vllm lays its groups over the whole world, so every rank "
-                                         r"must be in the global pool \(pools\.reward_ranks=2\): set --pools\.reward-ranks 0"):
-        plan(vllm, 8)
+    assert plan(vllm, 8).rollout_pool.ranks == list(range(6))  # vLLM confined to the global pool
 
 
 def test_plan_batch_rules_pass() -> None:

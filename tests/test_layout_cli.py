@@ -105,3 +105,25 @@ def test_help() -> None:
     assert out.returncode == 0
     for flag in ("--world-size", "--nproc-per-node", "--json", "--actor.fsdp.fsdp-size", "--rollout.tp"):
         assert flag in out.stdout
+
+
+def test_seed_example_vllm_tp4_on_a_rollout_pool_of_8() -> None:
+    """The seed's 16-rank example: megatron tp 2 on an actor pool of 8, vLLM tp 4 on a rollout pool of 8.
+    The rollout groups are rollout-pool ranks, and they are the groups vLLM gets there
+    (spmd_rl.rollout.vllm_groups lays them as vLLM would)."""
+    from spmd_rl.rollout.vllm_groups import vllm_group_ranks
+
+    out = run_layout("--world-size", "16", "--nproc-per-node", "8", "--actor.engine", "megatron",
+                     "--actor.megatron.tp", "2", "--pools.rollout-ranks", "8",
+                     "--rollout.backend", "vllm", "--rollout.tp", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    g = d["groups"]
+    assert g["rollout.tp"] == [[8, 9, 10, 11], [12, 13, 14, 15]] and g["rollout.dp"] == [[8, 12], [9, 13], [10, 14], [11, 15]]
+    assert g["megatron.tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert d["actor_dp_size"] == 4 and d["rollout_dp_size"] == 2
+    assert d["ranks"][9]["pools"] == {"rollout": 1} and d["ranks"][9]["rollout"] == {"dp": 0, "pp": 0, "tp": 1}
+    assert (d["ranks"][9]["node"], d["ranks"][9]["gpu"]) == (1, 1) and d["ranks"][3]["rollout"] is None
+    vllm = vllm_group_ranks(list(range(8, 16)), tp=4, pp=1)
+    assert vllm["world"] == [list(range(8, 16))] and vllm["tp"] == g["rollout.tp"] and vllm["pp"] == g["rollout.pp"]
+    assert sorted(vllm["dp"]) == [[r] for r in range(8, 16)]

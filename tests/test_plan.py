@@ -25,12 +25,6 @@ RULES = [
      "rollout.max_new_tokens (256) = 768, the longest sequence"),
     (["--pools.reward-ranks", "1"], 2,
      "pools.reward_ranks=1 makes a reward pool, but reward.model.path is not set, so it would serve nothing"),
-    (["--rollout.backend", "vllm", "--pools.reward-ranks", "1", *RM], 2,
-     "rollout.backend=vllm lays its groups over the whole world, so every rank must be in the global pool "
-     "(pools.reward_ranks=1): set --pools.reward-ranks 0 or use --rollout.backend native"),
-    (["--rollout.backend", "vllm", "--pools.rollout-ranks", "2"], 4,
-     "rollout.backend=vllm lays its groups over the whole world, so every rank must be in the global pool "
-     "(pools.rollout_ranks=2): set --pools.rollout-ranks 0"),
     (["--pools.rollout-ranks", "2", "--pools.reward-ranks", "2", *RM], 4,
      "pools.rollout_ranks (2) + pools.reward_ranks (2) = 4 must be smaller than the world size (4): the global pool "
      "(actor and reference) needs at least one rank"),
@@ -94,6 +88,17 @@ def test_plan_rule_message(flags: list[str], world: int, message: str) -> None:
     cfg = load_config(flags)  # every section is valid on its own: only plan() refuses it
     with pytest.raises(ValueError, match=re.escape(message)):
         plan(cfg, world)
+
+
+def test_vllm_plans_on_a_pool_that_is_not_the_whole_world() -> None:
+    """vLLM's groups are confined to the rollout's pool (spmd_rl.rollout.vllm_groups): its own pool,
+    with its own tp, or the global pool next to a reward pool."""
+    p = plan(load_config(["--rollout.backend", "vllm", "--pools.rollout-ranks", "2", "--rollout.tp", "2"]), 4)
+    assert p.rollout_backend == "vllm" and p.rollout_pool.ranks == [2, 3] and p.rollout.tp == 2
+    assert p.rollout.dp_size == 1 and p.dp_size == 2  # actor FSDP over global ranks 0-1
+    p = plan(load_config(["--rollout.backend", "vllm", "--pools.reward-ranks", "1", *RM,
+                          "--data.train-batch-size", "3", "--actor.ppo-mini-batch-size", "3"]), 4)
+    assert p.rollout_pool.ranks == [0, 1, 2]
 
 
 def test_one_response_per_prompt_plans_with_a_batch_baseline() -> None:

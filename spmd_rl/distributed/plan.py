@@ -60,6 +60,8 @@ class Plan:
     """actor.ppo_mini_batch_size / actor dp size: prompts per actor dp rank in one mini-batch."""
     colocate: int = 1
     """Processes per GPU (``pools.colocate``)."""
+    rollout_backend: str = "native"
+    """``rollout.backend``: ``build_run_groups`` builds the groups its registry entry asks for."""
     memory_fractions: dict[str, float] = field(default_factory=dict, hash=False)
     """Per pool: the share of its GPU's memory each of its processes may allocate (only with
     ``pools.colocate`` > 1; empty otherwise: no cap)."""
@@ -192,7 +194,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
     reward_fsdp = FsdpLayout(reward.size, -1, pool=REWARD) if reward else None
     teacher_fsdp = FsdpLayout(teacher.size, -1, pool=TEACHER) if teacher else None
 
-    _check_pools(cfg, by_name, backend_whole_world=backend.whole_world)
+    _check_pools(cfg, by_name)
     _check_teacher(cfg, separate=teacher is not None, engine_meshes=engine.meshes)
     warnings = list(engine.warnings(cfg.actor)) + _check_critic(cfg, engine_builds_critic=engine.critic)
     if cfg.trainer.max_staleness > 0:
@@ -254,6 +256,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
         actor=actor, actor_meshes=engine.meshes, layouts_by_name=layouts, rollout=rollout,
         reward_fsdp=reward_fsdp, teacher_fsdp=teacher_fsdp, rollout_prompts_per_replica=tb // rdp,
         actor_prompts_per_mini_batch=mb // adp, colocate=pools.colocate, memory_fractions=fractions,
+        rollout_backend=cfg.rollout.backend,
         unavailable=unavailable, warnings=tuple(warnings),
     )
 
@@ -297,7 +300,7 @@ def _check_dapo(cfg: Config) -> None:
                          f"penalty falls from 0 at max_new_tokens - buffer to -reward.overlong_factor at max_new_tokens")
 
 
-def _check_pools(cfg: Config, pools: dict[str, PoolSpec], *, backend_whole_world: bool) -> None:
+def _check_pools(cfg: Config, pools: dict[str, PoolSpec]) -> None:
     """Which roles may have pools of their own."""
     own = {name: spec for name, spec in pools.items() if name != GLOBAL}
     if REWARD in own and cfg.reward.model.path is None:
@@ -306,14 +309,6 @@ def _check_pools(cfg: Config, pools: dict[str, PoolSpec], *, backend_whole_world
     if TEACHER in own and cfg.teacher.model.path is None:
         raise ValueError(f"pools.teacher_ranks={cfg.pools.teacher_ranks} makes a teacher pool, but teacher.model.path "
                          "is not set, so it would serve nothing: set --teacher.model.path or --pools.teacher-ranks 0")
-    if not own:
-        return
-    flags = ", ".join(f"pools.{name}_ranks={spec.size}" for name, spec in own.items())
-    resets = " ".join(f"--pools.{name}-ranks 0" for name in own)
-    if backend_whole_world:
-        raise ValueError(
-            f"rollout.backend={cfg.rollout.backend} lays its groups over the whole world, so every rank must be in "
-            f"the global pool ({flags}): set {resets} or use --rollout.backend native")
 
 
 def _check_teacher(cfg: Config, *, separate: bool, engine_meshes: tuple[str, ...]) -> None:

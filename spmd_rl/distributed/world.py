@@ -8,15 +8,16 @@
 Creating a process group or a DeviceMesh is collective over the WHOLE world, even for a pool that
 is a subset of it, so every rank creates every pool's groups and meshes here, in one order, before
 the pools run different loops: the actor's meshes, the reward and teacher pools' FSDP meshes, the
-weight bridges from the actor to a rollout pool, and the links between the actor pool and each
-serving pool. The rank table is gathered here too (every rank contributes its host and device), so
+weight bridges from the actor to a rollout pool, the rollout backend's own groups over its pool
+when that pool is not the whole world (vLLM's, :mod:`spmd_rl.rollout.vllm_groups`), and the links
+between the actor pool and each serving pool. The rank table is gathered here too (every rank contributes its host and device), so
 it covers every pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from spmd_rl.distributed.bridge import WeightBridge
 from spmd_rl.distributed.comm import PoolExchange
@@ -57,6 +58,9 @@ class RunGroups:
     """The actor pool <-> rollout pool link (separate rollout pool), on the ranks of both; else None."""
     teacher_link: TeacherLink | None = None
     """The actor pool <-> teacher pool link (``pools.teacher_ranks`` > 0), on the ranks of both; else None."""
+    rollout_pool_groups: Any = None
+    """The rollout backend's process groups over the rollout's pool (``BackendSpec.pool_groups``), on
+    that pool's ranks when it is not the whole world; else None."""
 
     def _member(self, name: str) -> bool:
         pool = self.pools.get_optional(name)
@@ -125,7 +129,20 @@ def build_run_groups(plan: Plan, env: DistEnv, *, close_timeout_s: float = 60.0)
             teacher_link = TeacherLink(routes=routes, close_timeout_s=close_timeout_s)
     return RunGroups(plan=plan, pools=pools, rank_table=rows, actor_mesh=actor_mesh, reward_mesh=reward_mesh,
                      exchange=exchange, sp_group=sp_group, weight_bridge=bridge, rollout_link=link,
-                     teacher_mesh=teacher_mesh, teacher_link=teacher_link)
+                     teacher_mesh=teacher_mesh, teacher_link=teacher_link,
+                     rollout_pool_groups=_rollout_pool_groups(plan, env))
+
+
+def _rollout_pool_groups(plan: Plan, env: DistEnv) -> Any:
+    """The rollout backend's groups over its pool (collective over the world), this rank's share if it
+    is in that pool; None when the backend needs none or its pool is the whole world."""
+    from spmd_rl.rollout import backend_spec
+
+    build, pool = backend_spec(plan.rollout_backend).pool_groups, plan.rollout_pool
+    if build is None or pool.size == env.world_size:
+        return None
+    made = build(pool_ranks=pool.ranks, tp=plan.rollout.tp, pp=plan.rollout.pp, device_type=env.device.type)
+    return made if pool.contains(env.rank) else None
 
 
 def _weight_bridge(plan: Plan, env: DistEnv) -> WeightBridge | None:

@@ -1,6 +1,6 @@
 """Rollout engines: generate responses with the actor's current weights. The backend registry.
 
-    spec = backend_spec(cfg.rollout.backend)        # what plan() checks: sharding, whole world, sampling
+    spec = backend_spec(cfg.rollout.backend)        # what plan() checks: sharding, sampling; its pool's groups
     engine = build_rollout_from_config(cfg.rollout, model_folder=folder, device=device, pad_token_id=0,
                                        eos_token_ids=[2], max_prompt_length=512, seed=17)
     engine = build_rollout("native", model_folder=folder, device=device, dtype=torch.float32, ...)
@@ -8,8 +8,9 @@
 Every engine implements :class:`RolloutEngine` (``generate``, ``load_weights``, ``sleep``,
 ``wake_up``, ``close``) and returns a :class:`GenerationOutput`. Backends: ``native``
 (:class:`NativeRollout`, built in, CPU and GPU, one whole model per rank) and ``vllm``
-(``vllm_engine.VllmRollout``, the `vllm` extra, imported only when chosen; tp / pp groups laid over
-the whole world). This table is the only place that tells the backends apart.
+(``vllm_engine.VllmRollout``, the `vllm` extra, imported only when chosen; its tp / pp groups are
+vLLM's own over the whole world, or built by :mod:`.vllm_groups` over the rollout's pool when that
+pool is not the whole world). This table is the only place that tells the backends apart.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def _vllm_options(rollout: RolloutConfig, *, max_prompt_length: int, seed: int) 
                 max_model_len=rollout.max_model_len or max_prompt_length + rollout.max_new_tokens, seed=seed)
 
 
+def _vllm_pool_groups(*, pool_ranks: list[int], tp: int, pp: int, device_type: str) -> Any:
+    from .vllm_groups import VllmPoolGroups  # torch only: every rank of the world runs this, vLLM or not
+
+    return VllmPoolGroups.create(pool_ranks=pool_ranks, tp=tp, pp=pp, device_type=device_type)
+
+
 def _no_check(rollout: RolloutConfig) -> None:
     return None
 
@@ -76,16 +83,18 @@ class BackendSpec:
     """Backend-specific constructor arguments from the ``rollout`` section."""
     model_parallel: bool
     """A replica may span ``rollout.tp`` x ``rollout.pp`` ranks (else one whole model per rank)."""
-    whole_world: bool
-    """Its groups are laid over the whole world, so every rank must be in the global pool."""
+    pool_groups: Callable[..., Any] | None = None
+    """When the rollout's pool is not the whole world: builds, on every rank of the world, the process
+    groups the engine needs over that pool (``pool_ranks``, ``tp``, ``pp``, ``device_type``), handed to
+    its constructor as ``pool_groups`` on the pool's ranks. None: the engine needs none of its own."""
     check: Callable[[RolloutConfig], None] = _no_check
     """Rules of the ``rollout`` section that only this backend has."""
 
 
 BACKENDS: dict[str, BackendSpec] = {
-    "native": BackendSpec(factory=_native, options=_native_options, model_parallel=False, whole_world=False),
-    "vllm": BackendSpec(factory=_vllm, options=_vllm_options, model_parallel=True, whole_world=True,
-                        check=_vllm_check),
+    "native": BackendSpec(factory=_native, options=_native_options, model_parallel=False),
+    "vllm": BackendSpec(factory=_vllm, options=_vllm_options, model_parallel=True,
+                        pool_groups=_vllm_pool_groups, check=_vllm_check),
 }
 
 
@@ -104,16 +113,18 @@ def build_rollout(backend: str, **kwargs: Any) -> RolloutEngine:
 
 def build_rollout_from_config(rollout: RolloutConfig, *, model_folder: str, device: torch.device, pad_token_id: int,
                               eos_token_ids: list[int], trust_remote_code: bool, max_prompt_length: int,
-                              seed: int) -> RolloutEngine:
+                              seed: int, pool_groups: Any = None) -> RolloutEngine:
     """The engine ``rollout.backend`` names, configured from the ``rollout`` section: bf16 on CUDA,
     fp32 elsewhere; no EOS ids with ``rollout.ignore_eos``. ``seed``: the sampling seed of this rank's
-    replica (vLLM seeds its engine with it)."""
+    replica (vLLM seeds its engine with it). ``pool_groups``: what the backend's
+    :attr:`BackendSpec.pool_groups` built for this rank (``RunGroups.rollout_pool_groups``), or None."""
     spec = backend_spec(rollout.backend)
     return spec.factory(
         model_folder=model_folder, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
         batch_size=rollout.batch_size, pad_token_id=pad_token_id,
         eos_token_ids=[] if rollout.ignore_eos else eos_token_ids,
-        trust_remote_code=trust_remote_code, **spec.options(rollout, max_prompt_length=max_prompt_length, seed=seed))
+        trust_remote_code=trust_remote_code, **spec.options(rollout, max_prompt_length=max_prompt_length, seed=seed),
+        **({"pool_groups": pool_groups} if pool_groups is not None else {}))
 
 
 __all__ = ["BACKENDS", "BackendSpec", "GenerationOutput", "NativeRollout", "RolloutEngine", "backend_spec",

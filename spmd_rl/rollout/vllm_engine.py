@@ -8,10 +8,13 @@
     out = engine.generate(prompt_ids, n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256, seed=s)
     engine.sleep(1)
 
-Every rank of the world builds its ``vllm.LLM(..., distributed_executor_backend="external_launcher")``
-at the same time, after ``torch.distributed`` is initialised: vLLM then reuses the default process
-group and lays its own groups over the whole world as ``(external dp, pp, tp)`` with tp fastest,
-which is :class:`spmd_rl.distributed.dims.RolloutLayout` (``tests/test_vllm_rollout.py`` checks it). The
+Every rank of the rollout's pool builds its ``vllm.LLM(..., distributed_executor_backend="external_launcher")``
+at the same time, after ``torch.distributed`` is initialised. When that pool is the whole world, vLLM
+reuses the default process group and lays its own groups over it as ``(external dp, pp, tp)`` with
+tp fastest, which is :class:`spmd_rl.distributed.dims.RolloutLayout` (``tests/test_vllm_rollout.py``
+checks it). When it is not (a rollout pool of its own, or other pools beside), ``pool_groups``
+(:class:`~spmd_rl.rollout.vllm_groups.VllmPoolGroups`, made by ``build_run_groups``) confines vLLM's
+world and groups to the pool's ranks, in the same layout. The
 ranks of one tp x pp group must submit the same requests with the same seeds: vLLM's scheduler is
 deterministic, so each of them then holds the same outputs (the trainer keeps a share per rank).
 Different replicas (rollout dp ranks) generate independently.
@@ -36,6 +39,7 @@ to run asleep) and free nothing. The KV cache is then sized explicitly (``kv_cac
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -45,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .base import GenerationOutput, check_sampling_args
+from .vllm_groups import VllmPoolGroups
 
 # Must be set before vLLM reads them: external_launcher runs the engine core in this process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -84,13 +89,17 @@ class VllmRollout:
         max_model_len: int,
         seed: int = 0,
         bucket_bytes: int = 256 << 20,
+        pool_groups: VllmPoolGroups | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("VllmRollout joins the torch.distributed world: initialise it first "
                                "(torchrun + DistEnv.init(), as spmd_rl.train does)")
-        world = dist.get_world_size()
+        world = len(pool_groups.pool_ranks) if pool_groups is not None else dist.get_world_size()
         if world % (tp * pp):
-            raise ValueError(f"rollout.tp ({tp}) * rollout.pp ({pp}) does not divide the world size ({world})")
+            raise ValueError(f"rollout.tp ({tp}) * rollout.pp ({pp}) does not divide the rollout's ranks ({world})")
+        if pool_groups is not None and (pool_groups.tp, pool_groups.pp) != (tp, pp):
+            raise ValueError(f"pool_groups were made for tp={pool_groups.tp} pp={pool_groups.pp}, not tp={tp} pp={pp}")
+        self.pool_groups = pool_groups
         self.device = torch.device(device)
         self.dtype = dtype
         self.batch_size = batch_size
@@ -110,7 +119,22 @@ class VllmRollout:
             kwargs["enable_sleep_mode"] = True
         else:
             kwargs["kv_cache_memory_bytes"] = self._kv_cache_bytes(model_folder, dtype, batch_size, max_model_len)
-        self.llm = LLM(
+        confined = pool_groups.installed() if pool_groups is not None else contextlib.nullcontext()
+        with confined:
+            self.llm = self._make_llm(model_folder, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code, tp=tp,
+                                      pp=pp, gpu_memory_utilization=gpu_memory_utilization,
+                                      max_model_len=max_model_len, batch_size=batch_size, **kwargs)
+        self._sleep_level = 0
+        self._weights_awake = True
+        self._weights_lost = False
+        self._closed = False
+        log.info("vLLM %s rollout engine: tp=%d pp=%d over %s, sleep mode %s", vllm.__version__, tp, pp,
+                 f"global ranks {pool_groups.pool_ranks}" if pool_groups is not None else "the whole world",
+                 "on" if self.sleep_supported else "unavailable on this platform (nothing is freed)")
+
+    def _make_llm(self, model_folder: str, *, dtype: torch.dtype, seed: int, trust_remote_code: bool, tp: int, pp: int,
+                  gpu_memory_utilization: float, max_model_len: int, batch_size: int, **kwargs: object) -> LLM:
+        return LLM(
             model=model_folder,
             tokenizer=model_folder,
             dtype=dtype,
@@ -129,12 +153,6 @@ class VllmRollout:
             disable_log_stats=True,
             **kwargs,
         )
-        self._sleep_level = 0
-        self._weights_awake = True
-        self._weights_lost = False
-        self._closed = False
-        log.info("vLLM %s rollout engine: tp=%d pp=%d, sleep mode %s", vllm.__version__, tp, pp,
-                 "on" if self.sleep_supported else "unavailable on this platform (nothing is freed)")
 
     @staticmethod
     def _kv_cache_bytes(model_folder: str, dtype: torch.dtype, batch_size: int, max_model_len: int) -> int:
@@ -297,6 +315,8 @@ class VllmRollout:
         self.llm = None  # type: ignore[assignment]
         gc.collect()
         destroy_model_parallel()  # vLLM's tp/pp groups; the trainer's world stays
+        if self.pool_groups is not None:
+            self.pool_groups.release()  # vLLM's world group over the pool
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
