@@ -81,7 +81,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 class FastDecoder:
     """Static-cache, graph-captured decoding over a HF model of a supported family (module docstring)."""
 
-    _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_slot", "_col", "_row_of", "_finished", "_temp", "_u", "_scaled",
+    _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_slot", "_col", "_row_of", "_finished", "_limit", "_temp", "_u", "_scaled",
                      "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin")
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_batch: int, pad_token_id: int,
@@ -205,6 +205,7 @@ class FastDecoder:
         self._col = torch.zeros(1, **long)          # the output column the next sample writes
         self._row_of = torch.zeros(rows, **long)    # output row of each cache row (the spare row for spares)
         self._finished = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self._limit = torch.zeros(rows, **long)     # tokens a row may have (rollout.length_dist; else the budget)
         self._temp = torch.ones(1, dtype=torch.float32, device=dev)  # logits are divided by it
         self._u = torch.zeros(rows, dtype=torch.float32, device=dev)  # this step's uniforms
         self._scaled = torch.zeros(rows, self.vocab, dtype=torch.float32, device=dev)  # logits / T
@@ -372,7 +373,7 @@ class FastDecoder:
         self._out_tok.index_put_(where, torch.where(live, tok, self.pad_token_id))
         self._out_lp.index_put_(where, torch.where(live, lp, 0.0))
         self._out_mask.index_put_(where, live.float())
-        self._finished[:rows].logical_or_(torch.isin(tok, self._eos))
+        self._finished[:rows].logical_or_(torch.isin(tok, self._eos) | (self._col >= self._limit[:rows] - 1))
         self._tok[:rows] = tok
         self._col += 1
 
@@ -421,16 +422,22 @@ class FastDecoder:
 
     def generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
-        generator: torch.Generator, eos: torch.Tensor,
+        generator: torch.Generator, eos: torch.Tensor, limits: torch.Tensor | None = None,
+        interrupt: Callable[[int], bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """As ``NativeRollout._generate_chunk_hf``: ``tokens, mask, logprobs [b, t]`` and ``truncated [b]``."""
+        """As ``NativeRollout._generate_chunk_hf``: ``tokens, mask, logprobs [b, t]`` and ``truncated [b]``.
+        ``limits [b]``: a row stops after that many tokens (no EOS: truncated); ``interrupt(steps)``,
+        called on the host after each decode step with the tokens sampled so far, ends the chunk there
+        when it returns True (partial rollouts: the caller swaps weights and prefills the prefixes again)."""
         with sdpa_kernel(ATTENTION_BACKENDS):
             return self._generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
-                                        max_new_tokens=max_new_tokens, generator=generator, eos=eos)
+                                        max_new_tokens=max_new_tokens, generator=generator, eos=eos, limits=limits,
+                                        interrupt=interrupt)
 
     def _generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
-        generator: torch.Generator, eos: torch.Tensor,
+        generator: torch.Generator, eos: torch.Tensor, limits: torch.Tensor | None = None,
+        interrupt: Callable[[int], bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         b, longest, dev = len(rows), max(len(r) for r in rows), self.device
         if b > self.buckets[-1]:
@@ -461,6 +468,9 @@ class FastDecoder:
         self._lse[b:cur].zero_()
         self._row_of[:cur] = torch.arange(cur, device=dev).clamp_(max=b)
         self._finished[:cur] = torch.arange(cur, device=dev) >= b
+        self._limit[:cur] = max_new_tokens
+        if limits is not None:
+            self._limit[:b] = limits
         self._out_tok[:b + 1, :max_new_tokens].fill_(self.pad_token_id)
         self._out_lp[:b + 1, :max_new_tokens].zero_()
         self._out_mask[:b + 1, :max_new_tokens].zero_()
@@ -477,6 +487,8 @@ class FastDecoder:
                 self._record(cur, greedy=greedy, top_k=top_k, top_p=top_p)
                 break
             self._step(cur, mode)
+            if interrupt is not None and interrupt(step + 1):
+                break
             if (step + 1) % self.check_every == 0:
                 n_live = int((~self._finished[:cur]).sum())
                 if n_live == 0:
@@ -508,7 +520,7 @@ class FastDecoder:
         for cache in (self.cache, self.ring):
             for i in range(cache.shape[0]):  # one layer at a time: the gather copy stays small
                 cache[i, :, :n] = cache[i][:, keep]
-        for buf in (self._tok, self._pos, self._pad, self._row_of, self._scaled, self._lse):
+        for buf in (self._tok, self._pos, self._pad, self._row_of, self._scaled, self._lse, self._limit):
             buf[:n] = buf[keep]
         self._row_of[n:new] = spare
         self._finished[:new] = torch.arange(new, device=self.device) >= n
