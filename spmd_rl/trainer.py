@@ -304,6 +304,13 @@ class Trainer:
         if stale.numel():
             acc.add("async/staleness/mean", stale.mean().item(), stale.numel())
             acc.add_max("async/staleness/max", stale.max().item())
+        for k in range(self.staleness + 1):  # tokens per policy version, by how far behind it is
+            acc.add_sum(f"async/tokens_staleness_{k}", float((stale == k).sum()) * self.row_weight)
+        batch["staleness"] = (self.policy_version - out["versions"]).masked_fill(~mask, -1)
+        versions = out["versions"].masked_fill(~mask, -1)
+        first = out["versions"].masked_fill(~mask, 1 << 62).min(1).values
+        for spans in (versions.max(1).values > first).tolist():  # rollout.partial: a row continued under newer weights
+            acc.add("async/partial_frac", float(spans))
         acc.add_max("async/queue_depth", float(self.link.in_flight))
         acc.add_max("async/rollout_busy_s", out["gen_seconds"].max().item() if len(out["gen_seconds"]) else 0.0)
         return batch
@@ -407,8 +414,12 @@ class Trainer:
                                                   micro_batch_size=self.cfg.actor.micro_batch_size)
         batch["old_logprobs"] = logprobs.cpu()
         mask = batch["response_mask"]
-        diff = ((logprobs.cpu() - batch["rollout_logprobs"]).abs() * mask).sum()
-        acc.add("rollout/logprob_abs_diff", diff.item() / max(mask.sum().item(), 1), mask.sum().item())
+        gap = (logprobs.cpu() - batch["rollout_logprobs"]).abs()
+        acc.add("rollout/logprob_abs_diff", (gap * mask).sum().item() / max(mask.sum().item(), 1), mask.sum().item())
+        if "staleness" in batch:  # tokens the current weights sampled: only numerical mismatch, as on-policy
+            fresh = (batch["staleness"] == 0).float()
+            if fresh.sum() > 0:
+                acc.add("async/logprob_abs_diff_fresh", (gap * fresh).sum().item() / fresh.sum().item(), fresh.sum().item())
 
     def ref_logprobs(self, batch: RolloutBatch) -> None:
         if self.ref is None:

@@ -63,3 +63,27 @@ def test_generation_overlaps_the_update(tmp_path):
                                - m["timing_s/wait_weights"] for m in rows)
     assert step < 0.8 * serial, f"one-step-off {step:.3f} s/step against generation + actor work {serial:.3f} s"
     assert statistics.median(m["async/actor_idle_frac"] for m in rows) < 0.2  # generation hides behind the update
+
+
+def test_partial_rollouts_continue_under_new_weights(tmp_path):
+    """``rollout.partial`` with S = 1 and a rollout slower than the update (a delay per decode step):
+    the weights of update t reach the rollout in the middle of round t + 1, whose unfinished
+    responses go on under them. Per-token versions bound the staleness by S; rows span two versions;
+    the tokens the new weights sampled have the trainer's own log-probs (recomputed, fp32), so the
+    continuation was prefilled again under the new weights."""
+    out = str(tmp_path / "run")
+    run_ok(out, *POOL, "--trainer.max-staleness", "1", "--rollout.partial", "--rollout.partial-chunk", "2",
+           "--rollout.token-delay-s", "0.1", "--rollout.max-new-tokens", "16", "--rollout.ignore-eos",
+           "--rollout.length-dist", "lognormal", "--rollout.min-new-tokens", "4", "--trainer.total-steps", "6", nproc=2)
+    steps = [m for m in read_metrics(out) if "async/staleness/max" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6]
+    for m in steps:
+        assert m["async/staleness/max"] <= 1, m
+        assert m["async/logprob_abs_diff_fresh"] < 1e-4, m  # fresh tokens: only fp32 noise
+        assert m["async/tokens_staleness_0"] + m["async/tokens_staleness_1"] == pytest.approx(
+            m["response_length/mean"] * 64), m
+    # the update is ~0.3 s, a round ~1.6 s, so most rounds after the first two get new weights mid-way
+    # (on a crowded machine an update can outlast a round: then only some of them)
+    mixed = [m for m in steps if m["async/partial_frac"] > 0 and 0 < m["async/staleness/mean"] < 1]
+    assert mixed, [(m["async/partial_frac"], m["async/staleness/mean"]) for m in steps]
+    assert all(m["response_length/max"] <= 16 and m["response_length/min"] >= 4 for m in steps)

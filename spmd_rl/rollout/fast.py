@@ -471,9 +471,10 @@ class FastDecoder:
         self._limit[:cur] = max_new_tokens
         if limits is not None:
             self._limit[:b] = limits
-        self._out_tok[:b + 1, :max_new_tokens].fill_(self.pad_token_id)
-        self._out_lp[:b + 1, :max_new_tokens].zero_()
-        self._out_mask[:b + 1, :max_new_tokens].zero_()
+        # every column: a longer call before this one left its outputs past max_new_tokens
+        self._out_tok[:b + 1].fill_(self.pad_token_id)
+        self._out_lp[:b + 1].zero_()
+        self._out_mask[:b + 1].zero_()
         group = max(1, self.prefill_tokens // longest)
         for s in range(0, b, group):
             self._prefill(ids[s:s + group], pad[s:s + group], s)
