@@ -109,6 +109,8 @@ class Trainer:
         # own log-probs of the sampling policy), off-policy (the proximal policy of decoupled PPO), and by
         # PPO's KL reward (the actor's before the update).
         self.staleness, self.in_flight = cfg.trainer.max_staleness, InFlight()
+        if self.link is not None:  # the bounded queue between the pools: S + 1 training rounds and a validation one
+            self.link.max_in_flight = self.staleness + 2
         self.need_old_logprobs = (self.updates_per_step > 1 or cfg.algo.rollout_is != "none" or self.staleness > 0
                                   or cfg.algo.kl_in_reward)
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths

@@ -160,7 +160,8 @@ class RolloutLink:
         self.rank = dist.get_rank()
         self._closed = False
         self.last_transfer: TransferStats | None = None
-        self.rounds: list[Round] = []
+        self.rounds: list[Round] = []  # the queue between the pools, oldest first
+        self.max_in_flight: int | None = None  # its bound (the trainer's: S + 1 training rounds + a validation one)
         self._pending: list = []  # sends not completed yet, with their buffers
 
     @property
@@ -183,9 +184,12 @@ class RolloutLink:
         """Every actor rank calls this with the actor's full tensors (a collective over the actor
         pool); the ranks holding a bridge send them to the rollout ranks, which load them after the
         rounds issued before (so this waits for those to be generated)."""
-        self._command("weights", version)
-        if self.rank == CONTROLLER:  # after the command: a rollout rank that sees the count can receive it
+        if self.rank == CONTROLLER:
+            # Announced before the command is sent: a rollout rank in the middle of a round that sees the
+            # count receives the commands up to it, which completes the sends of rounds issued since (their
+            # prompts), the sends this rank settles before it sends the command.
             _store().add(WEIGHTS_KEY, 1)
+        self._command("weights", version)
         if self.bridge is not None:
             self.last_transfer = self.bridge.send(named_tensors)
         else:
@@ -196,6 +200,9 @@ class RolloutLink:
               pad_token_id: int) -> None:
         """Start one round: ``prompts`` (all of them, on the controller; None elsewhere) go to the
         rollout pool, which generates ``sampling["n"]`` responses each when it gets there."""
+        if self.max_in_flight is not None and len(self.rounds) >= self.max_in_flight:
+            raise RuntimeError(f"RolloutLink.issue: {len(self.rounds)} rounds in flight already, the bound is "
+                               f"{self.max_in_flight}: take one first")
         self._command("generate", {"kind": kind, "num_prompts": num_prompts, "pad_token_id": pad_token_id, **sampling})
         if self.rank == CONTROLLER:
             assert prompts is not None and len(prompts) == num_prompts
