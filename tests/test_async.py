@@ -89,23 +89,23 @@ def test_long_tail_overlap_matches_the_model(tmp_path):
 
 
 def test_partial_rollouts_continue_under_new_weights(tmp_path):
-    """``rollout.partial`` with S = 1 and a rollout slower than the update (a delay per decode step):
-    the weights of update t reach the rollout in the middle of round t + 1, whose unfinished
-    responses go on under them. Per-token versions bound the staleness by S; rows span two versions;
-    the tokens the new weights sampled have the trainer's own log-probs (recomputed, fp32), so the
-    continuation was prefilled again under the new weights."""
+    """``rollout.partial`` with S = 2 and a rollout slower than the update (a delay per decode step):
+    the weights of update t reach the rollout in the middle of round t + 1 (it first takes round
+    t + 2's command and prompts, issued before them), whose unfinished responses go on under them.
+    Per-token versions bound the staleness by S; rows span two versions; the tokens the new weights
+    sampled have the trainer's own log-probs (recomputed, fp32), so the continuation was prefilled
+    again under the new weights. Validation rounds queue behind the training rounds."""
     out = str(tmp_path / "run")
-    run_ok(out, *POOL, "--trainer.max-staleness", "1", "--rollout.partial", "--rollout.partial-chunk", "2",
+    run_ok(out, *POOL, "--trainer.max-staleness", "2", "--rollout.partial", "--rollout.partial-chunk", "2",
            "--rollout.token-delay-s", "0.1", "--rollout.max-new-tokens", "16", "--rollout.ignore-eos",
            "--rollout.length-dist", "lognormal", "--rollout.min-new-tokens", "4", "--trainer.total-steps", "6", "--trainer.val-every", "3", nproc=2)
-    assert sum("val/accuracy" in m for m in read_metrics(out)) == 3  # validation rounds queue behind training ones
+    assert sum("val/accuracy" in m for m in read_metrics(out)) == 3
     steps = [m for m in read_metrics(out) if "async/staleness/max" in m]
     assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6]
     for m in steps:
-        assert m["async/staleness/max"] <= 1, m
+        assert m["async/staleness/max"] <= 2, m
         assert m.get("async/logprob_abs_diff_fresh", 0.0) < 1e-4, m  # fresh tokens (if any): only fp32 noise
-        assert m["async/tokens_staleness_0"] + m["async/tokens_staleness_1"] == pytest.approx(
-            m["response_length/mean"] * 64), m
+        assert sum(m[f"async/tokens_staleness_{k}"] for k in range(3)) == pytest.approx(m["response_length/mean"] * 64), m
     # the update is ~0.3 s, a round ~1.6 s, so most rounds after the first two get new weights mid-way
     # (on a crowded machine an update can outlast a round: then only some of them)
     mixed = [m for m in steps if m["async/partial_frac"] > 0 and 0 < m["async/staleness/mean"] < 1]
