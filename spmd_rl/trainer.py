@@ -419,7 +419,7 @@ class Trainer:
         gap = (logprobs.cpu() - batch["rollout_logprobs"]).abs()
         acc.add("rollout/logprob_abs_diff", (gap * mask).sum().item() / max(mask.sum().item(), 1), mask.sum().item())
         if "staleness" in batch:  # tokens the current weights sampled: only numerical mismatch, as on-policy
-            fresh = (batch["staleness"] == 0).float()
+            fresh = (batch["staleness"] == 0).float() * mask  # (a concat pads with 0)
             if fresh.sum() > 0:
                 acc.add("async/logprob_abs_diff_fresh", (gap * fresh).sum().item() / fresh.sum().item(), fresh.sum().item())
 
