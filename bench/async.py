@@ -1,19 +1,24 @@
 """Asynchronous GRPO: the same GRPO work at max staleness 0, 1, 2 on a rollout pool, with samples/s,
-each pool's idle fraction, and the speed-up a simple model predicts from the synchronous run.
+each pool's idle fraction, and the speed-up the schedule's model (``bench/async_sim.py``) predicts
+from the synchronous run's measured times and the response-length distribution.
 
     python bench/async.py                                         # one GPU: actor + rollout process (colocate 2)
     python bench/async.py --nproc 2 --colocate 1                  # two GPUs: one per pool
+    python bench/async.py --length-dist lognormal --min-new-tokens 64 --max-new-tokens 2048   # long tail
+    python bench/async.py --length-dist lognormal --partial       # S > 0 with partial rollouts
     python bench/async.py --device cpu --model tiny-random --max-new-tokens 48 --prompts 8   # CPU smoke run
 
 Each staleness is one ``torchrun -m spmd_rl.train`` with ``--pools.rollout-ranks`` = half the
-processes, the same seed and work (``--prompts`` x ``--n`` responses of ``--max-new-tokens``,
-``--rollout.ignore-eos`` so every response has that length), truncated IS on. Per run: the median
-over steps 3.. of the step time, samples/s, ``async/actor_idle_frac`` (the actor waiting for rows
-or for the rollout to take its weights) and ``async/rollout_idle_frac``, and the mean score of the
-last steps. "model" is the step time the one-step-off schedule would reach if generation and the
-update shared nothing: ``max(gen, step - gen - weight_sync) + weight_sync`` from the synchronous
-run's own stage times; on one GPU the two processes share its compute and memory bandwidth, so
-the measured step stays above it. ``--out`` appends the rows as JSON lines.
+processes, the same seed and work (``--prompts`` x ``--n`` responses, ``--rollout.ignore-eos``;
+every response ``--max-new-tokens`` long, or with ``--length-dist lognormal|uniform`` a length drawn
+per response between ``--min-new-tokens`` and ``--max-new-tokens``, ``rollout.length_dist``),
+truncated IS on. Per run: the median over steps 3.. of the step time, samples/s,
+``async/actor_idle_frac`` (the actor waiting for rows or for the rollout to take its weights) and
+``async/rollout_idle_frac``, the share of rows continued under newer weights (``--partial``) and the
+mean score of the last steps. "model" is the speed-up ``bench/async_sim.py`` predicts from the
+synchronous run's generation, actor and weight-sync times and the length distribution, for two pools
+that share nothing; on one GPU the two processes share its compute and memory bandwidth, so the
+measured speed-up stays below it. ``--out`` appends the rows as JSON lines.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from async_sim import Costs, predict, round_drawer  # noqa: E402 - bench/ on the path first
 
 
 def run(staleness: int, args: argparse.Namespace, out_dir: str) -> list[dict]:
@@ -36,6 +43,9 @@ def run(staleness: int, args: argparse.Namespace, out_dir: str) -> list[dict]:
              "--actor.ppo-mini-batch-size", str(args.prompts), "--actor.micro-batch-size", str(args.micro_batch),
              "--pools.rollout-ranks", str(args.nproc // 2), "--pools.colocate", str(args.colocate),
              "--trainer.max-staleness", str(staleness), "--algo.rollout-is", "token_truncated",
+             "--rollout.batch-size", str(args.batch_size), "--rollout.length-dist", args.length_dist,
+             "--rollout.min-new-tokens", str(min(args.min_new_tokens, args.max_new_tokens)),
+             *(["--rollout.partial"] if args.partial and staleness else []),
              "--trainer.total-steps", str(args.steps), "--trainer.val-every", "0", "--trainer.device", args.device,
              "--logging.wandb", "off", "--logging.no-console", "--checkpoint.no-save-final",
              "--trainer.output-dir", out_dir]
@@ -58,16 +68,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--length-dist", default="model", choices=["model", "lognormal", "uniform"],
+                   help="response lengths: all --max-new-tokens (model, with ignore-EOS) or drawn per response")
+    p.add_argument("--min-new-tokens", type=int, default=64, help="shortest drawn response")
+    p.add_argument("--partial", action="store_true", help="S > 0 with rollout.partial")
+    p.add_argument("--batch-size", type=int, default=64, help="rollout.batch_size")
     p.add_argument("--micro-batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    print(f"async GRPO: {args.model}, {args.prompts} prompts x {args.n} x {args.max_new_tokens} tokens, "
-          f"{args.nproc} processes ({args.colocate} per device), median of steps 3..{args.steps}")
+    lengths = (f"{args.max_new_tokens}" if args.length_dist == "model"
+               else f"{args.length_dist} {args.min_new_tokens}..{args.max_new_tokens}")
+    print(f"async GRPO: {args.model}, {args.prompts} prompts x {args.n} x {lengths} tokens, "
+          f"{args.nproc} processes ({args.colocate} per device){', partial rollouts' if args.partial else ''}, "
+          f"median of steps 3..{args.steps}")
     print(f"{'staleness':>9s} {'s/step':>7s} {'samples/s':>9s} {'speed-up':>8s} {'model':>6s} {'actor idle':>10s} "
-          f"{'rollout idle':>12s} {'score':>6s}", flush=True)
-    base = None
+          f"{'rollout idle':>12s} {'partial':>7s} {'score':>6s}", flush=True)
+    base, predicted_steps = None, {}
+    # one rollout replica's rows per round (each of the nproc / 2 replicas generates its share)
+    draw = round_drawer(length_dist=args.length_dist, low=min(args.min_new_tokens, args.max_new_tokens),
+                        high=args.max_new_tokens, rows=args.prompts * args.n // max(args.nproc // 2, 1))
     with tempfile.TemporaryDirectory() as tmp:
         for s in args.staleness:
             rows = [r for r in run(s, args, os.path.join(tmp, f"s{s}")) if r["step"] >= 3]
@@ -75,18 +96,22 @@ def main(argv: list[str] | None = None) -> None:
             step = med("timing_s/step")
             if s == 0:
                 gen, sync = med("timing_s/gen"), med("timing_s/weight_sync")
-                base, model = step, max(gen, step - gen - sync) + sync
+                costs = Costs.calibrate(gen_s=gen, actor_s=step - gen - sync, weight_sync_s=sync,
+                                        rounds=[draw(k) for k in range(50)], batch_size=args.batch_size)
+                predicted_steps = predict(costs, staleness=args.staleness, partial=args.partial, draw=draw)
+                base = step
             speed = base / step if base else float("nan")
             if s == 0:  # synchronous: the actor waits while the rollout generates, and the other way round
                 idle = ((gen + sync) / step, 1.0 - gen / step)
             else:
                 idle = (med("async/actor_idle_frac"), med("async/rollout_idle_frac"))
             row = {"staleness": s, "s_per_step": step, "samples_per_s": args.prompts * args.n / step, "speedup": speed,
-                   "model_speedup": base / model if base and s else None, "actor_idle_frac": idle[0],
-                   "rollout_idle_frac": idle[1], "score_last": statistics.mean(r["critic/score/mean"] for r in rows[-3:])}
+                   "model_speedup": predicted_steps[0] / predicted_steps[s] if predicted_steps else None,
+                   "actor_idle_frac": idle[0], "rollout_idle_frac": idle[1], "partial_frac": med("async/partial_frac"),
+                   "score_last": statistics.mean(r["critic/score/mean"] for r in rows[-3:])}
             predicted = f"{row['model_speedup']:6.2f}" if row["model_speedup"] else "     -"
             print(f"{s:9d} {step:7.3f} {row['samples_per_s']:9.1f} {speed:8.2f} {predicted} {idle[0]:10.2f} "
-                  f"{idle[1]:12.2f} {row['score_last']:6.3f}", flush=True)
+                  f"{idle[1]:12.2f} {row['partial_frac']:7.2f} {row['score_last']:6.3f}", flush=True)
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")

@@ -41,7 +41,8 @@ def serve_pool(cfg: Config, env: DistEnv, groups: RunGroups) -> int:
             pool_groups=groups.rollout_pool_groups)
         try:
             # never asleep: its memory is its own (its pool's ranks, or its capped share of a shared GPU)
-            return serve_rollout_pool(engine=engine, link=groups.rollout_link, replica=replica, sleep_level=0)
+            return serve_rollout_pool(engine=engine, link=groups.rollout_link, replica=replica, sleep_level=0,
+                                      partial=cfg.rollout.partial, partial_chunk=cfg.rollout.partial_chunk)
         finally:
             engine.close()
     if groups.in_teacher_pool:

@@ -110,6 +110,8 @@ class Trainer:
         # own log-probs of the sampling policy), off-policy (the proximal policy of decoupled PPO), and by
         # PPO's KL reward (the actor's before the update).
         self.staleness, self.in_flight = cfg.trainer.max_staleness, InFlight()
+        if self.link is not None:  # the bounded queue between the pools: S + 1 training rounds and a validation one
+            self.link.max_in_flight = self.staleness + 2
         self.need_old_logprobs = (self.updates_per_step > 1 or cfg.algo.rollout_is != "none" or self.staleness > 0
                                   or cfg.algo.kl_in_reward)
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
@@ -305,6 +307,13 @@ class Trainer:
         if stale.numel():
             acc.add("async/staleness/mean", stale.mean().item(), stale.numel())
             acc.add_max("async/staleness/max", stale.max().item())
+        for k in range(self.staleness + 1):  # tokens per policy version, by how far behind it is
+            acc.add_sum(f"async/tokens_staleness_{k}", float((stale == k).sum()) * self.row_weight)
+        batch["staleness"] = (self.policy_version - out["versions"]).masked_fill(~mask, -1)
+        versions = out["versions"].masked_fill(~mask, -1)
+        first = out["versions"].masked_fill(~mask, 1 << 62).min(1).values
+        for spans in (versions.max(1).values > first).tolist():  # rollout.partial: a row continued under newer weights
+            acc.add("async/partial_frac", float(spans))
         acc.add_max("async/queue_depth", float(self.link.in_flight))
         acc.add_max("async/rollout_busy_s", out["gen_seconds"].max().item() if len(out["gen_seconds"]) else 0.0)
         return batch
@@ -408,8 +417,12 @@ class Trainer:
                                                   micro_batch_size=self.cfg.actor.micro_batch_size)
         batch["old_logprobs"] = logprobs.cpu()
         mask = batch["response_mask"]
-        diff = ((logprobs.cpu() - batch["rollout_logprobs"]).abs() * mask).sum()
-        acc.add("rollout/logprob_abs_diff", diff.item() / max(mask.sum().item(), 1), mask.sum().item())
+        gap = (logprobs.cpu() - batch["rollout_logprobs"]).abs()
+        acc.add("rollout/logprob_abs_diff", (gap * mask).sum().item() / max(mask.sum().item(), 1), mask.sum().item())
+        if "staleness" in batch:  # tokens the current weights sampled: only numerical mismatch, as on-policy
+            fresh = (batch["staleness"] == 0).float() * mask  # (a concat pads with 0)
+            if fresh.sum() > 0:
+                acc.add("async/logprob_abs_diff_fresh", (gap * fresh).sum().item() / fresh.sum().item(), fresh.sum().item())
 
     def ref_logprobs(self, batch: RolloutBatch) -> None:
         if self.ref is None:

@@ -3,17 +3,25 @@
 * every update's samples are at most ``trainer.max_staleness`` policy versions old (from the
   per-token versions the rollout records), exactly that old once the pipeline is full;
 * it still learns; a run resumed from a checkpoint taken with rounds in flight completes;
-* generation overlaps the update: a step takes less than generating plus updating.
+* generation overlaps the update on a long-tailed workload: a step takes less than generating plus
+  updating, and S = 1 is faster than S = 0 by about what bench/async_sim.py predicts;
+* partial rollouts: rows continue under weights that arrive mid-round, fresh tokens carry the new
+  policy's log-probs.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 
 import pytest
 
 from test_pools import run_ok
 from test_train_e2e import read_metrics
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from async_sim import Costs, predict, round_drawer  # noqa: E402 - bench/ on the path first
 
 POOL = ["--pools.rollout-ranks", "1", "--algo.rollout-is", "token_truncated", "--trainer.val-every", "0"]
 
@@ -50,16 +58,56 @@ def test_resume_with_rounds_in_flight(tmp_path):
 
 
 @pytest.mark.alone  # it measures two processes side by side: no other test's processes beside them
-def test_generation_overlaps_the_update(tmp_path):
-    """One actor and one rollout process (one core each): a one-step-off step takes clearly less than
-    the rollout's generation plus the actor's own work (the step less its waits), which is what a
-    synchronous step costs; both are measured in the same run."""
+def test_long_tail_overlap_matches_the_model(tmp_path):
+    """A long tail on one actor and one rollout process: response lengths drawn per response
+    (lognormal, 2..24 tokens) and a rollout that sleeps 60 ms per decode step, so a round waits for
+    its longest response (~1.5 s) while the actor's work (~0.5 s) follows the total tokens. S = 1
+    hides the update behind generation: its step is below the synchronous one by about what
+    bench/async_sim.py predicts from the synchronous run's gen / actor / weight-sync times, and below
+    the rollout's generation plus the actor's own work measured in the same run. Generation is the
+    longer half, so a busy machine that slows the actor down changes the S = 1 step little."""
+    flags = [*POOL, "--rollout.max-new-tokens", "24", "--rollout.ignore-eos", "--rollout.length-dist", "lognormal",
+             "--rollout.min-new-tokens", "2", "--rollout.token-delay-s", "0.06", "--trainer.total-steps", "6",
+             "--actor.micro-batch-size", "8"]
+    runs = {}
+    for s in (0, 1):
+        run_ok(str(tmp_path / f"s{s}"), *flags, "--trainer.max-staleness", str(s), nproc=2)
+        runs[s] = [m for m in read_metrics(str(tmp_path / f"s{s}")) if m["step"] >= 3 and "timing_s/step" in m]
+    med = lambda s, f: statistics.median(f(m) for m in runs[s])  # noqa: E731
+    gen, sync = med(0, lambda m: m["timing_s/gen"]), med(0, lambda m: m["timing_s/weight_sync"])
+    step0, step1 = med(0, lambda m: m["timing_s/step"]), med(1, lambda m: m["timing_s/step"])
+    draw = round_drawer(length_dist="lognormal", low=2, high=24, rows=64)
+    costs = Costs.calibrate(gen_s=gen, actor_s=step0 - gen - sync, weight_sync_s=sync,
+                            rounds=[draw(k) for k in range(50)], batch_size=64)
+    predicted = predict(costs, staleness=[0, 1], partial=False, draw=draw)
+    expected, measured = predicted[0] / predicted[1], step0 / step1
+    assert expected > 1.15, (gen, step0, predicted)  # the workload overlaps: both halves take a real share
+    assert 1 + 0.5 * (expected - 1) < measured < 1.25 * expected, f"S = 1 speed-up {measured:.2f}, model {expected:.2f}"
+    serial = med(1, lambda m: m["async/rollout_busy_s"] + m["timing_s/step"] - m["timing_s/wait_rollout"]
+                 - m["timing_s/wait_weights"])
+    assert step1 < 0.9 * serial, f"one-step-off {step1:.3f} s/step against generation + actor work {serial:.3f} s"
+
+
+def test_partial_rollouts_continue_under_new_weights(tmp_path):
+    """``rollout.partial`` with S = 2 and a rollout slower than the update (a delay per decode step):
+    the weights of update t reach the rollout in the middle of round t + 1 (it first takes round
+    t + 2's command and prompts, issued before them), whose unfinished responses go on under them.
+    Per-token versions bound the staleness by S; rows span two versions; the tokens the new weights
+    sampled have the trainer's own log-probs (recomputed, fp32), so the continuation was prefilled
+    again under the new weights. Validation rounds queue behind the training rounds."""
     out = str(tmp_path / "run")
-    run_ok(out, *POOL, "--rollout.max-new-tokens", "48", "--rollout.ignore-eos", "--trainer.total-steps", "8",
-           "--actor.micro-batch-size", "8", "--trainer.max-staleness", "1", nproc=2)
-    rows = [m for m in read_metrics(out) if m["step"] >= 3 and "timing_s/step" in m]
-    step = statistics.median(m["timing_s/step"] for m in rows)
-    serial = statistics.median(m["async/rollout_busy_s"] + m["timing_s/step"] - m["timing_s/wait_rollout"]
-                               - m["timing_s/wait_weights"] for m in rows)
-    assert step < 0.8 * serial, f"one-step-off {step:.3f} s/step against generation + actor work {serial:.3f} s"
-    assert statistics.median(m["async/actor_idle_frac"] for m in rows) < 0.2  # generation hides behind the update
+    run_ok(out, *POOL, "--trainer.max-staleness", "2", "--rollout.partial", "--rollout.partial-chunk", "2",
+           "--rollout.token-delay-s", "0.1", "--rollout.max-new-tokens", "16", "--rollout.ignore-eos",
+           "--rollout.length-dist", "lognormal", "--rollout.min-new-tokens", "4", "--trainer.total-steps", "6", "--trainer.val-every", "3", nproc=2)
+    assert sum("val/accuracy" in m for m in read_metrics(out)) == 3
+    steps = [m for m in read_metrics(out) if "async/staleness/max" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6]
+    for m in steps:
+        assert m["async/staleness/max"] <= 2, m
+        assert m.get("async/logprob_abs_diff_fresh", 0.0) < 1e-4, m  # fresh tokens (if any): only fp32 noise
+        assert sum(m[f"async/tokens_staleness_{k}"] for k in range(3)) == pytest.approx(m["response_length/mean"] * 64), m
+    # the update is ~0.3 s, a round ~1.6 s, so most rounds after the first two get new weights mid-way
+    # (on a crowded machine an update can outlast a round: then only some of them)
+    mixed = [m for m in steps if m["async/partial_frac"] > 0 and 0 < m["async/staleness/mean"] < 1]
+    assert mixed, [(m["async/partial_frac"], m["async/staleness/mean"]) for m in steps]
+    assert all(m["response_length/max"] <= 16 and m["response_length/min"] >= 4 for m in steps)

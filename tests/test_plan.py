@@ -80,6 +80,14 @@ RULES = [
      "its weights from the actor process on its GPU"),
     (["--rollout.n", "1", "--algo.adv-estimator", "rloo"], 1, "rollout.n=1 makes every prompt's group a single "
      "response, so algo.adv_estimator=rloo has nothing to compare it with"),
+    (["--rollout.partial"], 2, "rollout.partial continues responses under weights that arrive while the rollout "
+     "generates, which happens only on a rollout pool with rounds in flight (pools.rollout_ranks=0, "
+     "trainer.max_staleness=0): set --pools.rollout-ranks N (N > 0) and --trainer.max-staleness S (S > 0), or drop "
+     "--rollout.partial"),
+    (["--rollout.partial", "--pools.rollout-ranks", "1"], 2, "(pools.rollout_ranks=1, trainer.max_staleness=0)"),
+    (["--rollout.backend", "vllm", "--rollout.length-dist", "lognormal", "--rollout.token-delay-s", "0.1"], 1,
+     "rollout.length_dist and rollout.token_delay_s shape the built-in rollout's workload: use --rollout.backend "
+     "native, or leave them unset with vllm"),
 ]
 
 
@@ -145,3 +153,13 @@ def test_megatron_plans_beside_rollout_teacher_and_reward_pools() -> None:
                                                            ("reward", 7, 1)]
     assert p.megatron is not None and p.megatron.size == 4 and p.dp_size == 2
     assert p.rollout_pool.name == "rollout" and p.rollout_dp_size == 2
+
+
+def test_partial_rollouts_need_a_backend_that_continues_responses() -> None:
+    """No backend but the built-in one takes the swap callback (vLLM restarts every request)."""
+    from spmd_rl.distributed.plan import _check_partial
+
+    cfg = load_config(["--rollout.partial", "--pools.rollout-ranks", "1", "--trainer.max-staleness", "1"])
+    with pytest.raises(ValueError, match=re.escape("rollout.backend=native does not: use --rollout.backend native")):
+        _check_partial(cfg, rollout_pool=True, backend_partial=False)
+    _check_partial(cfg, rollout_pool=True, backend_partial=True)

@@ -124,6 +124,23 @@ class RolloutConfig:
     rest equally. Checked at start against the sum on each GPU."""
     max_model_len: int | None = None
     """vLLM: context length; None = max prompt length + max new tokens."""
+    partial: bool = False
+    """Partial rollouts (a rollout pool with `trainer.max_staleness` > 0): weights that arrive while
+    the rollout pool generates are loaded between chunks of `rollout.partial_chunk` decode steps;
+    unfinished responses keep their tokens and log-probs and continue under the new weights (their
+    prefix prefilled again, so later log-probs are the new policy's), each token recording the policy
+    version that sampled it. Off: new weights wait until the round being generated is done."""
+    partial_chunk: int = 32
+    """`rollout.partial`: decode steps between two looks for new weights (one store read each)."""
+    length_dist: Literal["model", "lognormal", "uniform"] = "model"
+    """Benchmarks and tests: stop each response at a length drawn from this distribution between
+    `rollout.min_new_tokens` and `rollout.max_new_tokens` (with `rollout.ignore_eos`, exactly that
+    long; lognormal: median sqrt(min x max), 2 sigmas to either bound), a long-tailed workload with
+    any model; `model`: the model ends its responses (built-in rollout only)."""
+    min_new_tokens: int = 1
+    """Shortest response `rollout.length_dist` draws."""
+    token_delay_s: float = 0.0
+    """Tests: seconds the built-in rollout sleeps after every decode step (a slow rollout on CPU)."""
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, f"rollout.n must be >= 1, got {self.n}")
@@ -132,6 +149,10 @@ class RolloutConfig:
         _check(self.top_k >= 0, f"rollout.top_k must be >= 0, got {self.top_k}")
         _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.batch_size >= 1, f"rollout.batch_size must be >= 1, got {self.batch_size}")
+        _check(self.partial_chunk >= 1, f"rollout.partial_chunk must be >= 1, got {self.partial_chunk}")
+        _check(1 <= self.min_new_tokens <= self.max_new_tokens, f"rollout.min_new_tokens ({self.min_new_tokens}) "
+               f"must be in [1, rollout.max_new_tokens ({self.max_new_tokens})]")
+        _check(self.token_delay_s >= 0, f"rollout.token_delay_s must be >= 0, got {self.token_delay_s}")
         _check(self.tp >= 1 and self.pp >= 1, f"rollout.tp ({self.tp}) and rollout.pp ({self.pp}) must be >= 1")
         _check(0 <= self.gpu_memory_fraction < 1,
                f"rollout.gpu_memory_fraction must be in [0, 1) (0 = automatic), got {self.gpu_memory_fraction}")

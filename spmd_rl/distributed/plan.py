@@ -205,6 +205,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
         if cfg.algo.rollout_is == "none":
             warnings.append(f"trainer.max_staleness={cfg.trainer.max_staleness} trains on samples of an older policy "
                             f"with no importance correction: consider --algo.rollout-is token_truncated")
+    _check_partial(cfg, rollout_pool=ROLLOUT in by_name, backend_partial=backend.partial)
     fractions = _memory_fractions(cfg, specs, world_size, nproc_per_node)
     if cfg.actor.lora.enabled and not engine.lora:
         supported = sorted(name for name, spec in ENGINES.items() if spec.lora)
@@ -341,6 +342,23 @@ def _check_critic(cfg: Config, *, engine_builds_critic: bool) -> list[str]:
         return [("algo.kl_in_reward and algo.use_kl_loss are both on: the KL to the reference counts twice, in the "
                  "reward and in the actor's loss; PPO's usual setting is --algo.use-kl-loss false")]
     return []
+
+
+def _check_partial(cfg: Config, *, rollout_pool: bool, backend_partial: bool) -> None:
+    """``rollout.partial`` needs weights that can arrive during a generation: a rollout pool, rounds in
+    flight (max staleness > 0), and a backend that continues responses under new weights."""
+    if not cfg.rollout.partial:
+        return
+    if not rollout_pool or cfg.trainer.max_staleness == 0:
+        raise ValueError(
+            f"rollout.partial continues responses under weights that arrive while the rollout generates, which "
+            f"happens only on a rollout pool with rounds in flight (pools.rollout_ranks={cfg.pools.rollout_ranks}, "
+            f"trainer.max_staleness={cfg.trainer.max_staleness}): set --pools.rollout-ranks N (N > 0) and "
+            f"--trainer.max-staleness S (S > 0), or drop --rollout.partial")
+    if not backend_partial:
+        raise ValueError(f"rollout.partial needs a rollout backend that continues responses under new weights; "
+                         f"rollout.backend={cfg.rollout.backend} does not: use --rollout.backend native, or drop "
+                         f"--rollout.partial")
 
 
 def _memory_fractions(cfg: Config, specs: list[PoolSpec], world_size: int,

@@ -49,7 +49,8 @@ def _vllm(**kwargs: Any) -> RolloutEngine:
 
 
 def _native_options(rollout: RolloutConfig, *, max_prompt_length: int, seed: int) -> dict[str, Any]:
-    return {"compile_decode": None if rollout.compile_decode else False}
+    return {"compile_decode": None if rollout.compile_decode else False, "length_dist": rollout.length_dist,
+            "min_new_tokens": rollout.min_new_tokens, "token_delay_s": rollout.token_delay_s}
 
 
 def _vllm_options(rollout: RolloutConfig, *, max_prompt_length: int, seed: int) -> dict[str, Any]:
@@ -68,6 +69,11 @@ def _no_check(rollout: RolloutConfig) -> None:
 
 
 def _vllm_check(rollout: RolloutConfig) -> None:
+    workload = [f for f, on in (("rollout.length_dist", rollout.length_dist != "model"),
+                                ("rollout.token_delay_s", rollout.token_delay_s > 0)) if on]
+    if workload:
+        raise ValueError(f"{' and '.join(workload)} shape the built-in rollout's workload: use --rollout.backend "
+                         "native, or leave them unset with vllm")
     if rollout.top_k != 0 or rollout.top_p != 1.0:
         raise ValueError(
             f"rollout.backend=vllm reports log-probs after top-k / top-p filtering, the trainer before it: "
@@ -89,10 +95,12 @@ class BackendSpec:
     its constructor as ``pool_groups`` on the pool's ranks. None: the engine needs none of its own."""
     check: Callable[[RolloutConfig], None] = _no_check
     """Rules of the ``rollout`` section that only this backend has."""
+    partial: bool = False
+    """Its ``generate`` takes a ``swap`` callback (``rollout.partial``: responses continued under new weights)."""
 
 
 BACKENDS: dict[str, BackendSpec] = {
-    "native": BackendSpec(factory=_native, options=_native_options, model_parallel=False),
+    "native": BackendSpec(factory=_native, options=_native_options, model_parallel=False, partial=True),
     "vllm": BackendSpec(factory=_vllm, options=_vllm_options, model_parallel=True,
                         pool_groups=_vllm_pool_groups, check=_vllm_check),
 }

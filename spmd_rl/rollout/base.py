@@ -38,6 +38,9 @@ class GenerationOutput:
     """[B, T] float32 sampling log-probs of the chosen tokens (see module docstring); 0 where masked."""
     truncated: torch.BoolTensor
     """[B] True where the response reached max_new_tokens without producing an EOS token."""
+    weight_swaps: torch.Tensor | None = None
+    """[B, T] long: how many weight swaps of a partial rollout came before each token was sampled
+    (0 = the weights the call started with); None when the call took no ``swap`` callback."""
 
     @property
     def response_lengths(self) -> torch.LongTensor:

@@ -585,21 +585,29 @@ class FastDecoder:
     def generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
         generator: torch.Generator, eos: torch.Tensor, max_new_per_row: list[int] | None = None,
+        interrupt: Callable[[int], bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """As ``NativeRollout._generate_chunk_hf``: ``tokens, mask, logprobs [b, t]`` and ``truncated [b]``,
         for any number of rows: at most ``max_batch`` decode at once and the others queue (in the order
         given) for the slots of finished rows. ``max_new_per_row``: each row's own most new tokens (each
-        at most ``max_new_tokens``, which sizes the cache); a row that reaches it is truncated."""
+        at most ``max_new_tokens``, which sizes the cache); a row that reaches it is truncated.
+        ``interrupt(steps)``, called on the host after each decode step, ends the call there when it
+        returns True (partial rollouts: the caller swaps weights and prefills the prefixes again); it
+        needs every row in a slot from the start (at most ``max_batch`` rows), so that the rows still
+        going all hold ``steps`` tokens."""
         with sdpa_kernel(ATTENTION_BACKENDS):
             return self._generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
                                         max_new_tokens=max_new_tokens, generator=generator, eos=eos,
-                                        max_new_per_row=max_new_per_row)
+                                        max_new_per_row=max_new_per_row, interrupt=interrupt)
 
     def _generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
         generator: torch.Generator, eos: torch.Tensor, max_new_per_row: list[int] | None,
+        interrupt: Callable[[int], bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         b, longest = len(rows), max(len(r) for r in rows)
+        if interrupt is not None and b > self.buckets[-1]:
+            raise ValueError(f"FastDecoder: an interruptible call takes at most {self.buckets[-1]} rows, not {b}")
         limits = [max_new_tokens] * b if max_new_per_row is None else [int(m) for m in max_new_per_row]
         if len(limits) != b or not all(1 <= m <= max_new_tokens for m in limits):
             raise ValueError(f"FastDecoder: max_new_per_row needs {b} values in [1, {max_new_tokens}]")
@@ -638,6 +646,8 @@ class FastDecoder:
             self._step(cur, span, mode)
             step += 1
             self.steps += 1
+            if interrupt is not None and interrupt(step):
+                break
             if step % self.check_every:
                 continue
             finished = self._finished[:cur]

@@ -18,6 +18,17 @@ responses (on one device type). A row stops at its first EOS id and gets pad tok
 ``rollout.ignore_eos`` gives, every row runs to ``max_new_tokens``); the chunk stops when every row
 has stopped.
 
+Partial rollouts (``swap``, see :meth:`NativeRollout.generate`): every ``swap_every`` decode steps
+the engine asks its caller whether new weights were loaded; if so, the rows of the chunk that are
+still going stop there, keep their tokens and log-probs, and continue from their prefix (prompt +
+tokens so far, prefilled again under the new weights, so every later log-prob is the new policy's
+exactly); ``GenerationOutput.weight_swaps`` says how many swaps preceded each token. Chunks that
+start after a swap use the new weights from their first token.
+
+Benchmark workloads: ``length_dist`` stops each response at a length drawn for it
+(:mod:`spmd_rl.rollout.lengths`, seeded by the call's seed) and ``token_delay_s`` sleeps after every
+decode step (a slow rollout on CPU, for tests of the overlap).
+
 Two decode loops, the same outputs (greedy: token for token; tests/test_rollout_fast.py):
 
 * the fast path (:mod:`spmd_rl.rollout.fast`, on by default for the families of
@@ -38,7 +49,8 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
-from typing import Iterable
+import time
+from typing import Callable, Iterable
 
 import torch
 from transformers import DynamicCache
@@ -48,6 +60,7 @@ from ..models import load_causal_lm
 from .base import GenerationOutput, check_sampling_args
 from .fast import FastDecoder
 from .layers import Fused, unsupported_reason
+from .lengths import LengthDist, draw_lengths
 from .sampling import filter_logits, sample_next
 
 log = logging.getLogger("spmd_rl")
@@ -82,9 +95,13 @@ class NativeRollout:
         trust_remote_code: bool = False,
         fast_decode: bool = True,
         compile_decode: bool | None = None,
+        length_dist: LengthDist = "model",
+        min_new_tokens: int = 1,
+        token_delay_s: float = 0.0,
     ) -> None:
         """``compile_decode``: the fast path's decode layers through ``torch.compile`` (see
-        :class:`FastDecoder`); None = where inductor makes triton kernels (CUDA), True also elsewhere."""
+        :class:`FastDecoder`); None = where inductor makes triton kernels (CUDA), True also elsewhere.
+        ``length_dist`` / ``min_new_tokens`` / ``token_delay_s``: benchmark workloads (module docstring)."""
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
         self.device = torch.device(device)
@@ -92,6 +109,7 @@ class NativeRollout:
         self.batch_size = batch_size
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(e) for e in eos_token_ids]
+        self.length_dist, self.min_new_tokens, self.token_delay_s = length_dist, min_new_tokens, token_delay_s
         model = load_causal_lm(model_folder, dtype=dtype, trust_remote_code=trust_remote_code)
         model.requires_grad_(False)
         self.model = model.to(self.device)
@@ -135,7 +153,12 @@ class NativeRollout:
         top_k: int,
         max_new_tokens: int,
         seed: int,
+        swap: Callable[[], bool] | None = None,
+        swap_every: int = 32,
     ) -> GenerationOutput:
+        """``swap``: partial rollouts; called between pieces of ``batch_size`` rows and every
+        ``swap_every`` decode steps, it loads new weights into this engine when there are some and
+        returns True then (see the module docstring)."""
         check_sampling_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                             max_new_tokens=max_new_tokens)
         self._check_awake("generate")
@@ -149,44 +172,105 @@ class NativeRollout:
         rows = [list(p) for p in prompt_ids for _ in range(n)]
         order = sorted(range(len(rows)), key=lambda r: -len(rows[r]))  # stable: equal prompts stay together
         generator = torch.Generator(device=self.device).manual_seed(seed)
+        limits = (draw_lengths(self.length_dist, count=len(rows), low=min(self.min_new_tokens, max_new_tokens),
+                               high=max_new_tokens, seed=seed) if self.length_dist != "model" else None)
+        sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": generator}
+        self._swaps = 0  # weight swaps so far in this call
         # the fast path takes every row at once and keeps batch_size of them decoding (continuous batching);
-        # the Hugging Face loop runs chunks of batch_size rows
-        chunk = len(rows) if self._fast is not None else self.batch_size
+        # the Hugging Face loop, and partial rollouts (whose interrupted rows must all hold the same number
+        # of tokens), run pieces of batch_size rows
+        whole = self._fast is not None and swap is None and not self.token_delay_s
+        piece = len(rows) if whole else self.batch_size
         pieces = []
-        for start in range(0, len(rows), chunk):
-            idx = order[start:start + chunk]
-            pieces.append((idx, self._generate_chunk([rows[r] for r in idx], temperature=temperature,
-                                                     top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-                                                     generator=generator)))
-        width = max(tokens.shape[1] for _, (tokens, _, _, _) in pieces)
+        for start in range(0, len(rows), piece):
+            if swap is not None and start and swap():  # new weights between pieces: no prefix to prefill again
+                self._swaps += 1
+            idx = order[start:start + piece]
+            pieces.append((idx, self._generate_piece([rows[r] for r in idx], limits=limits and [limits[r] for r in idx],
+                                                     max_new_tokens=max_new_tokens, swap=swap, swap_every=swap_every,
+                                                     **sampling)))
+        width = max(max(int(out[1].sum(1).max()), 1) for _, out in pieces)
         out_tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         out_mask = torch.zeros(len(rows), width, dtype=torch.float32)
         out_logprobs = torch.zeros(len(rows), width, dtype=torch.float32)
+        out_swaps = torch.zeros(len(rows), width, dtype=torch.long)
         out_truncated = torch.zeros(len(rows), dtype=torch.bool)
-        for idx, (tokens, mask, logprobs, truncated) in pieces:
+        for idx, (tokens, mask, logprobs, swaps, truncated) in pieces:
             where = torch.tensor(idx, dtype=torch.long)
-            t = tokens.shape[1]
-            out_tokens[where, :t] = tokens.cpu()
-            out_mask[where, :t] = mask.cpu()
-            out_logprobs[where, :t] = logprobs.cpu()
-            out_truncated[where] = truncated.cpu()
+            t = min(tokens.shape[1], width)
+            out_tokens[where, :t] = tokens[:, :t]
+            out_mask[where, :t] = mask[:, :t]
+            out_logprobs[where, :t] = logprobs[:, :t]
+            out_swaps[where, :t] = swaps[:, :t]
+            out_truncated[where] = truncated
         return GenerationOutput(prompt_ids=rows, response_ids=out_tokens, response_mask=out_mask,
-                                logprobs=out_logprobs, truncated=out_truncated)
+                                logprobs=out_logprobs, truncated=out_truncated,
+                                weight_swaps=out_swaps if swap is not None else None)
+
+    def _generate_piece(
+        self, rows: list[list[int]], *, limits: list[int] | None, max_new_tokens: int,
+        swap: Callable[[], bool] | None, swap_every: int, **sampling,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One piece of at most ``batch_size`` rows: ``tokens, mask, logprobs, swaps [b, max_new_tokens]``
+        and ``truncated [b]`` on the CPU. Interrupted by a weight swap, the rows still going continue
+        from their prefix (they all hold the same number of tokens: they started together and none
+        has stopped)."""
+        b = len(rows)
+        tokens = torch.full((b, max_new_tokens), self.pad_token_id, dtype=torch.long)
+        mask, logprobs = torch.zeros(b, max_new_tokens), torch.zeros(b, max_new_tokens)
+        swaps, truncated = torch.zeros(b, max_new_tokens, dtype=torch.long), torch.ones(b, dtype=torch.bool)
+        live, done = list(range(b)), 0  # the rows still going, and the tokens each of them holds
+        while True:
+            budget = max_new_tokens - done
+            swapped: list[int] = []
+
+            def interrupt(steps: int, budget: int = budget, swapped: list[int] = swapped) -> bool:
+                if self.token_delay_s:
+                    time.sleep(self.token_delay_s)  # the benchmark's slow rollout, not a wait for anything
+                if swap is None or steps % swap_every or steps >= budget or not swap():
+                    return False
+                swapped.append(steps)
+                return True
+
+            chunk = self._generate_chunk(
+                [rows[i] + tokens[i, :done].tolist() for i in live], max_new_tokens=budget,
+                limits=None if limits is None else torch.tensor([limits[i] - done for i in live]),
+                interrupt=interrupt if swap is not None or self.token_delay_s else None, **sampling)
+            t_tok, t_mask, t_lp, t_trunc = (x.cpu() for x in chunk)
+            where, width = torch.tensor(live, dtype=torch.long), t_tok.shape[1]
+            tokens[where, done:done + width] = t_tok
+            mask[where, done:done + width] = t_mask
+            logprobs[where, done:done + width] = t_lp
+            swaps[where, done:done + width] = self._swaps
+            truncated[where] = t_trunc
+            if not swapped:
+                return tokens, mask, logprobs, swaps, truncated
+            self._swaps += 1
+            lengths = t_mask.sum(1).long().tolist()
+            done += width
+            live = [i for k, i in enumerate(live) if t_trunc[k] and lengths[k] == width
+                    and done < (max_new_tokens if limits is None else limits[i])]
+            if not live:
+                return tokens, mask, logprobs, swaps, truncated
 
     def _generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
-        generator: torch.Generator,
+        generator: torch.Generator, limits: torch.Tensor | None = None, interrupt: Callable[[int], bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Generate for one chunk; returns ``tokens, mask, logprobs [b, t]`` and ``truncated [b]`` (on device)."""
+        """Generate for one chunk; returns ``tokens, mask, logprobs [b, t]`` and ``truncated [b]`` (on device).
+        ``limits [b]``: most tokens per row; ``interrupt(steps)`` True ends the chunk after that step."""
         if self._fast is not None:
             return self._fast.generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
-                                             max_new_tokens=max_new_tokens, generator=generator, eos=self._eos)
+                                             max_new_tokens=max_new_tokens, generator=generator, eos=self._eos,
+                                             max_new_per_row=None if limits is None else limits.tolist(),
+                                             interrupt=interrupt)
         return self._generate_chunk_hf(rows, temperature=temperature, top_k=top_k, top_p=top_p,
-                                       max_new_tokens=max_new_tokens, generator=generator)
+                                       max_new_tokens=max_new_tokens, generator=generator, limits=limits,
+                                       interrupt=interrupt)
 
     def _generate_chunk_hf(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
-        generator: torch.Generator,
+        generator: torch.Generator, limits: torch.Tensor | None = None, interrupt: Callable[[int], bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The Hugging Face loop: left-padded prefill, then :meth:`_decode_step` over a ``DynamicCache``."""
         b, longest = len(rows), max(len(r) for r in rows)
@@ -206,6 +290,8 @@ class NativeRollout:
         logprobs = torch.zeros(b, max_new_tokens, dtype=torch.float32, device=self.device)
         mask = torch.zeros(b, max_new_tokens, dtype=torch.float32, device=self.device)
         finished = torch.zeros(b, dtype=torch.bool, device=self.device)
+        ended = torch.zeros(b, dtype=torch.bool, device=self.device)  # by an EOS
+        limits = None if limits is None else limits.to(self.device)
         steps = 0
         for step in range(max_new_tokens):
             tok, lp = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
@@ -213,14 +299,17 @@ class NativeRollout:
             tokens[:, step] = torch.where(live, tok, self.pad_token_id)
             logprobs[:, step] = torch.where(live, lp, 0.0)
             mask[:, step] = live.float()
+            ended |= live & torch.isin(tok, self._eos)
             finished |= torch.isin(tok, self._eos)
+            if limits is not None:
+                finished |= limits <= step + 1
             steps = step + 1
-            if step == max_new_tokens - 1 or bool(finished.all()):
+            if step == max_new_tokens - 1 or bool(finished.all()) or (interrupt is not None and interrupt(steps)):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(b, 1)], dim=1)
             logits = self._decode_step(tokens[:, step:step + 1], attention_mask, next_pos, cache)
             next_pos = next_pos + 1
-        return tokens[:, :steps], mask[:, :steps], logprobs[:, :steps], ~finished
+        return tokens[:, :steps], mask[:, :steps], logprobs[:, :steps], ~ended
 
     def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  cache: DynamicCache) -> torch.Tensor:

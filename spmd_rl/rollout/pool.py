@@ -23,7 +23,14 @@ settings, ``stop``, ``abort``). One ``generate`` round:
 Weights: after every update the actor's full tensors go from actor rank 0 (or, with several
 processes per GPU, from the actor rank on the same GPU, by CUDA IPC) to the rollout ranks in
 buckets (:class:`~spmd_rl.distributed.bridge.WeightBridge`), streamed into the engine's
-``load_weights``. A rollout rank that fails (loading weights or generating) answers the next round
+``load_weights``. Commands are first in, first out, so new weights wait until the rounds issued
+before them are generated, unless ``rollout.partial``: then the engine asks the server every
+``rollout.partial_chunk`` decode steps (:meth:`RolloutServer.swap`), which reads one counter in the
+c10d store (the weight transfers the controller announced, ``WEIGHTS_KEY``; a look that never
+blocks, which gloo's point-to-point receives cannot give) and, when a transfer is announced, takes
+the commands up to it (a later round's command with its prompts is kept for its turn), loads the
+weights mid-generation and tells the engine to continue the unfinished responses under them. Every
+token carries the policy version of the weights that sampled it. A rollout rank that fails (loading weights or generating) answers the next round
 with its error, and every actor rank raises it; an actor rank that fails sends ``abort``.
 """
 
@@ -50,6 +57,14 @@ log = logging.getLogger("spmd_rl")
 
 CONTROLLER = 0
 """Global rank of the controller: the actor pool's first rank."""
+WEIGHTS_KEY = "spmd_rl/rollout/weights_sent"
+"""c10d store counter: weight transfers the controller has announced to the rollout pool."""
+
+
+def _store():
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def _spec(pad_token_id: int) -> dict[str, tuple[torch.dtype, float]]:
@@ -145,7 +160,8 @@ class RolloutLink:
         self.rank = dist.get_rank()
         self._closed = False
         self.last_transfer: TransferStats | None = None
-        self.rounds: list[Round] = []
+        self.rounds: list[Round] = []  # the queue between the pools, oldest first
+        self.max_in_flight: int | None = None  # its bound (the trainer's: S + 1 training rounds + a validation one)
         self._pending: list = []  # sends not completed yet, with their buffers
 
     @property
@@ -168,6 +184,11 @@ class RolloutLink:
         """Every actor rank calls this with the actor's full tensors (a collective over the actor
         pool); the ranks holding a bridge send them to the rollout ranks, which load them after the
         rounds issued before (so this waits for those to be generated)."""
+        if self.rank == CONTROLLER:
+            # Announced before the command is sent: a rollout rank in the middle of a round that sees the
+            # count receives the commands up to it, which completes the sends of rounds issued since (their
+            # prompts), the sends this rank settles before it sends the command.
+            _store().add(WEIGHTS_KEY, 1)
         self._command("weights", version)
         if self.bridge is not None:
             self.last_transfer = self.bridge.send(named_tensors)
@@ -179,6 +200,9 @@ class RolloutLink:
               pad_token_id: int) -> None:
         """Start one round: ``prompts`` (all of them, on the controller; None elsewhere) go to the
         rollout pool, which generates ``sampling["n"]`` responses each when it gets there."""
+        if self.max_in_flight is not None and len(self.rounds) >= self.max_in_flight:
+            raise RuntimeError(f"RolloutLink.issue: {len(self.rounds)} rounds in flight already, the bound is "
+                               f"{self.max_in_flight}: take one first")
         self._command("generate", {"kind": kind, "num_prompts": num_prompts, "pad_token_id": pad_token_id, **sampling})
         if self.rank == CONTROLLER:
             assert prompts is not None and len(prompts) == num_prompts
@@ -227,35 +251,57 @@ class RolloutLink:
 class RolloutServer:
     """The loop of a rollout-pool rank: commands from the controller until ``stop`` or ``abort``."""
 
-    def __init__(self, *, link: RolloutLink, engine: Any, replica: int, sleep_level: int) -> None:
-        """``replica``: this rank's rollout data-parallel rank (added to training seeds, as colocated)."""
+    def __init__(self, *, link: RolloutLink, engine: Any, replica: int, sleep_level: int, partial: bool = False,
+                 partial_chunk: int = 32) -> None:
+        """``replica``: this rank's rollout data-parallel rank (added to training seeds, as colocated);
+        ``partial``: load weights that arrive during a training round and continue its responses
+        under them, looking every ``partial_chunk`` decode steps (``rollout.partial``)."""
         self.link, self.engine, self.replica, self.sleep_level = link, engine, replica, sleep_level
+        self.partial, self.partial_chunk = partial, partial_chunk
         self.where = f"rollout rank {link.rank} ({socket.gethostname()})"
         self.error: str | None = None  # a failure to report at the next round
         self.version = 0  # the policy version of the weights held
+        self.weights_taken = 0  # weight transfers received (compared with the store's WEIGHTS_KEY)
+        self.versions: list[int] = []  # the current round's weights: first, then one per swap
+        self.queued: list[tuple[str, Any, Any]] = []  # commands taken during a generation: (kind, payload, prompts)
         self.pending: list = []  # rows sent and not taken yet, with their buffers
 
     def serve(self) -> int:
         try:
             while True:
-                _, (kind, payload) = recv_object(CONTROLLER)
+                kind, payload, prompts = self.queued.pop(0) if self.queued else (*recv_object(CONTROLLER)[1], None)
                 if kind == "stop":
                     return 1 if self.error else 0
                 if kind == "abort":
                     log.error("%s: stopping, the trainer failed: %s", self.where, payload)
                     return 1
                 if kind == "weights":
-                    self._load_weights()
-                    self.version = int(payload)
+                    self._load_weights(payload)
                 elif kind == "generate":
-                    self._generate(payload)
+                    self._generate(payload, prompts)
                 else:
                     raise RuntimeError(f"{self.where}: unknown command {kind!r} from the controller")
         finally:
             self.pending = settle(self.pending)  # what the trainer never took (it stopped) is dropped
 
-    def _load_weights(self) -> None:
+    def swap(self) -> bool:
+        """The engine's look for new weights during a training round (``rollout.partial``): if the
+        controller announced a transfer not taken yet, take the commands up to it (a round issued
+        earlier is received with its prompts and kept for its turn), load the weights and say so."""
+        if int(_store().add(WEIGHTS_KEY, 0)) <= self.weights_taken:
+            return False
+        while True:
+            _, (kind, payload) = recv_object(CONTROLLER)
+            if kind == "weights":  # loaded (or failed: the round's rows then carry the error)
+                self._load_weights(payload)
+                self.versions.append(self.version)
+                return True
+            self.queued.append((kind, payload, self._prompts(payload) if kind == "generate" else None))
+
+    def _load_weights(self, version: int) -> None:
         assert self.link.bridge is not None
+        self.weights_taken += 1
+        self.version = int(version)
         tensors = self.link.bridge.receive()
         try:
             if self.error is None:
@@ -266,12 +312,18 @@ class RolloutServer:
         for _ in tensors:  # receive the rest of the transfer, which the sender goes on broadcasting
             pass
 
-    def _generate(self, p: dict[str, Any]) -> None:
+    def _prompts(self, p: dict[str, Any]) -> list[list[int]]:
+        """This rank's prompts of the round ``p`` (its replica's share), from the controller."""
+        prompt_ranges = self.link.routes.prompt_ranges(p["num_prompts"], even=p["kind"] == "train")
+        return unpack_prompts(recv_rows(RowRoute(sources={CONTROLLER: (0, p["num_prompts"])}, dests=prompt_ranges),
+                                        PROMPT_SPEC))
+
+    def _generate(self, p: dict[str, Any], prompts: list[list[int]] | None) -> None:
+        """One round: ``prompts`` when they were received ahead (during the previous round), else now."""
         routes, me = self.link.routes, self.link.rank
         train = p["kind"] == "train"
         prompt_ranges = routes.prompt_ranges(p["num_prompts"], even=train)
-        prompts = unpack_prompts(recv_rows(RowRoute(sources={CONTROLLER: (0, p["num_prompts"])}, dests=prompt_ranges),
-                                           PROMPT_SPEC))
+        prompts = self._prompts(p) if prompts is None else prompts
         n = p["n"]
         route = RowRoute(sources=routes.response_sources(prompt_ranges, n),
                          dests=routes.actor_ranges(p["num_prompts"] * n, by_dp=train))
@@ -282,24 +334,33 @@ class RolloutServer:
             try:
                 start = time.perf_counter()
                 self.engine.wake_up()
+                self.versions = [self.version]
+                # weights may change mid-round only in training rounds: validation's are issued after the sync
+                swap = {"swap": self.swap, "swap_every": self.partial_chunk} if self.partial and train else {}
                 out = self.engine.generate(prompts, n=n, temperature=p["temperature"], top_p=p["top_p"],
                                            top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
-                                           seed=p["seed"] + (self.replica if train else 0))
+                                           seed=p["seed"] + (self.replica if train else 0), **swap)
                 self.engine.sleep(self.sleep_level)
+                versions = (torch.tensor(self.versions)[out.weight_swaps] if out.weight_swaps is not None
+                            else torch.full(out.response_ids.shape, self.version, dtype=torch.long))
                 tensors = {"response_ids": out.response_ids.cpu(), "response_mask": out.response_mask.float().cpu(),
                            "logprobs": out.logprobs.float().cpu(), "truncated": out.truncated.long().cpu(),
-                           "versions": torch.full(out.response_ids.shape, self.version, dtype=torch.long),
-                           "gen_seconds": torch.full((len(prompts) * n,), time.perf_counter() - start)}
+                           "versions": versions, "gen_seconds": torch.full((len(prompts) * n,), time.perf_counter() - start)}
             except Exception as e:  # noqa: BLE001 - the actor ranks raise it
                 error = self.error = f"{self.where}: generation failed: {type(e).__name__}: {e}"
                 log.exception("%s: generation failed", self.where)
+            error = error or self.error  # weights that failed to load mid-round (rollout.partial)
+            if error is not None:
+                tensors = {}
         # Not waited for: the actor pool takes the rows when its schedule gets there.
         self.pending = settle(self.pending) + send_rows(route, tensors, first_row=first, error=error, wait=False)
 
 
-def serve_rollout_pool(*, engine: Any, link: RolloutLink, replica: int, sleep_level: int) -> int:
+def serve_rollout_pool(*, engine: Any, link: RolloutLink, replica: int, sleep_level: int, partial: bool = False,
+                       partial_chunk: int = 32) -> int:
     """Serve the actor pool until it stops (0) or aborts (1); 1 too when this rank failed."""
-    return RolloutServer(link=link, engine=engine, replica=replica, sleep_level=sleep_level).serve()
+    return RolloutServer(link=link, engine=engine, replica=replica, sleep_level=sleep_level, partial=partial,
+                         partial_chunk=partial_chunk).serve()
 
 
 __all__ = ["CONTROLLER", "Round", "RolloutLink", "RolloutRoutes", "RolloutServer", "routes_of", "serve_rollout_pool"]
