@@ -301,19 +301,31 @@ def run_trl(args: argparse.Namespace, out_dir: str) -> tuple[list[dict], dict]:
     for phase, name in (("gen", "_generate_single_turn"), ("reward", "_calculate_rewards")):
         if hasattr(trainer, name):
             setattr(trainer, name, timed(getattr(trainer, name), phase, phase_s, on_gpu))
+    failed = None
     try:
         trainer.train()
-        logs = [r for r in trainer.state.log_history if "step_time" in r]
-        phases = {f"trl/{k}": round(sum(r[k] for r in logs) / len(logs), 4)
-                  for k in ("step_time", "completions/mean_length", "completions/clipped_ratio")
-                  if logs and all(k in r for r in logs)}
-        phases.update({f"trl/{k}_s_per_step": round(v / max(args.steps, 1), 4) for k, v in phase_s.items()})
-    finally:
+    except Exception as e:  # noqa: BLE001 - a run that dies mid-way still reports its curve so far
+        failed = f"{type(e).__name__} after step {trainer.state.global_step}: {str(e).splitlines()[0][:300]}"
+        print(f"TRL: FAILED {failed}; its curve up to there is reported", flush=True)
+    logs = [r for r in trainer.state.log_history if "step_time" in r]
+    phases = {f"trl/{k}": round(sum(r[k] for r in logs) / len(logs), 4)
+              for k in ("step_time", "completions/mean_length", "completions/clipped_ratio")
+              if logs and all(k in r for r in logs)}
+    steps_run = max(trainer.state.global_step, 1)
+    phases.update({f"trl/{k}_s_per_step": round(v / steps_run, 4) for k, v in phase_s.items()})
+    if failed:
+        phases["trl/failed"] = failed
+    try:  # after a device-side assert the CUDA context is gone: nothing more to free
         held_out.close()
         del trainer
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        if not failed:
+            raise
+    if not points:
+        raise RuntimeError(failed or "TRL recorded no evaluation")
     return points, phases
 
 
@@ -438,6 +450,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("no side completed")
     summary = {s: {"target": args.target, **reached(c, args.target)} for s, c in curves.items()}
     print_table(curves, summary, args)
+    for side, info in extra.items():
+        if "trl/failed" in info:
+            print(f"{SIDES[side]} stopped early: {info['trl/failed']}")
     if args.out:
         meta = {"model": MODELS.get(args.model, args.model), "device": args.device, "steps": args.steps,
                 "prompts": args.prompts, "n": args.n, "max_new_tokens": args.max_new_tokens, "val_size": args.val_size}
