@@ -134,6 +134,25 @@ def test_watchdog_lets_a_long_stage_run(caplog):
         ranks.close()
 
 
+def test_kill_sibling_ends_only_a_worker_of_the_same_parent():
+    """What the watchdog does to a silent rank on its host: SIGKILL, only where the pid is a child of
+    its own parent (a worker of the same launcher agent), never a reused pid or another's process."""
+    from spmd_rl.distributed.watchdog import _kill_sibling
+
+    sibling = subprocess.Popen(["sleep", "60"])  # a child of this process, as a rank is of torchrun
+    try:
+        assert not _kill_sibling(sibling.pid)  # not a sibling of this process: left alone
+        assert sibling.poll() is None
+        child = os.fork()
+        if child == 0:  # a sibling of `sleep`: the same parent
+            os._exit(0 if _kill_sibling(sibling.pid) else 1)
+        assert os.waitpid(child, 0)[1] == 0
+        assert sibling.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if sibling.poll() is None:
+            sibling.kill()
+
+
 def test_format_ranks():
     assert format_ranks([3]) == "rank 3"
     assert format_ranks([5, 0, 1, 2, 7, 8]) == "ranks 0-2, 5, 7-8"
