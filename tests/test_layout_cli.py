@@ -1,20 +1,38 @@
 """``python -m spmd_rl.layout`` as a user runs it: JSON output, tables, errors and ``--help``.
 
+The plans are checked through ``main(argv)`` in-process (what the command prints and returns);
+``--help`` and one refused layout run the real command.
+
 Run: ``python -m pytest tests/test_layout_cli.py -q``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from spmd_rl import layout
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_layout(*args: str) -> subprocess.CompletedProcess:
+    """``python -m spmd_rl.layout ARGS`` in-process: its exit status, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = layout.main(list(args))
+        except SystemExit as e:  # tyro's own errors and --help
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["spmd_rl.layout", *args], code, out.getvalue(), err.getvalue())
+
+
+def run_layout_command(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "spmd_rl.layout", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -90,7 +108,7 @@ def test_megatron_beside_a_rollout_pool() -> None:
 
 
 def test_bad_layout_exits_with_the_plan_message() -> None:
-    out = run_layout("--world-size", "6", "--rollout.tp", "4")
+    out = run_layout_command("--world-size", "6", "--rollout.tp", "4")
     assert out.returncode != 0
     assert "rollout.tp (4) * rollout.pp (1) does not divide the global pool size (6)" in out.stderr
     assert "Traceback" not in out.stderr
@@ -101,7 +119,7 @@ def test_bad_layout_exits_with_the_plan_message() -> None:
 
 
 def test_help() -> None:
-    out = run_layout("--help")
+    out = run_layout_command("--help")
     assert out.returncode == 0
     for flag in ("--world-size", "--nproc-per-node", "--json", "--actor.fsdp.fsdp-size", "--rollout.tp"):
         assert flag in out.stdout

@@ -31,7 +31,7 @@ from spmd_rl.config import ActorConfig, FsdpConfig, LoraConfig, load_config
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.dims import FsdpLayout
 from spmd_rl.distributed.plan import plan
-from spmd_rl.distributed.testing import free_port, run_distributed
+from spmd_rl.distributed.testing import run_distributed, run_program
 from spmd_rl.engine.fsdp import FSDPEngine
 from spmd_rl.engine.lora import FrozenBase, is_adapter_key
 from spmd_rl.models import load_causal_lm, resolve_model_path
@@ -193,13 +193,16 @@ def test_lora_learns_and_exports(folder, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
+    from spmd_rl import export
     from spmd_rl.checkpoint_files import load_without_process_group
 
     folder = unit_scale_copy(folder, tmp_path / "model")
     out = tmp_path / "run"
-    _run("-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(free_port()), "-m",
-         "spmd_rl.train", *TINY, "--model.path", folder, "--trainer.output-dir", str(out),
-         "--trainer.total-steps", "10")
+    # the program, not its launcher, is under test: its rank forked from a warm process
+    proc = run_program("spmd_rl.train", [*TINY, "--model.path", folder, "--trainer.output-dir", str(out),
+                                         "--trainer.total-steps", "10"], nproc=1, cwd=REPO,
+                       env={"PYTHONPATH": os.pathsep.join([REPO, HERE]), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "critic/score/mean" in m]
     first = sum(m["critic/score/mean"] for m in steps[:2]) / 2
@@ -212,8 +215,8 @@ def test_lora_learns_and_exports(folder, tmp_path):
     assert adapters and all(is_adapter_key(k) for k in adapters), sorted(adapters)[:4]
 
     merged_dir, adapter_dir = tmp_path / "merged", tmp_path / "adapter"
-    _run("-m", "spmd_rl.export", str(out), str(merged_dir))
-    _run("-m", "spmd_rl.export", str(out), str(adapter_dir), "--adapter")
+    assert export.main([str(out), str(merged_dir)]) == 0  # the command itself runs in test_checkpoint.py
+    assert export.main([str(out), str(adapter_dir), "--adapter"]) == 0
     merged = load_file(str(merged_dir / "model.safetensors"))
     expected = load_causal_lm(folder, dtype=torch.float32).state_dict()
     scale = 16 / 8

@@ -8,7 +8,6 @@ Run with ``python3 -m pytest tests/test_models.py -q``. The SmolLM2 folder is de
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import string
 from pathlib import Path
@@ -20,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from spmd_rl.models import (
     build_char_tokenizer, eos_token_ids, load_causal_lm, load_tokenizer, model_flops_per_token, resolve_model_path,
 )
+from spmd_rl.distributed import testing
 from spmd_rl.models import builtin
 from spmd_rl.models.builtin import MARKER, SMOLLM2_NAME, TinyShape, smollm2_gguf_path
 from support import deps
@@ -139,13 +139,15 @@ def test_chat_template_renders(tiny_folder: str) -> None:
         tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
 
-def _resolve_in_child(cache_dir: str, barrier, queue) -> None:  # runs in a spawned process
+def _resolve_in_child(cache_dir: str, barrier, queue) -> None:  # runs in a process of its own
     barrier.wait()
     queue.put(resolve_model_path("tiny-random", cache_dir=cache_dir))
 
 
 def test_concurrent_resolution_builds_one_folder(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
+    # Two processes of their own, forked from the tests' warm server (torch and transformers imported
+    # once; a spawned process would import them again): the same race on the folder, without the wait.
+    ctx = testing._context()
     barrier, queue = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_resolve_in_child, args=(str(tmp_path), barrier, queue)) for _ in range(2)]
     for p in procs:

@@ -36,10 +36,16 @@ def launch(out_dir: str, *flags: str, nproc: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
-def run_ok(out_dir: str, *flags: str, nproc: int) -> str:
-    """A run that must succeed: its ranks forked from a warm process (``run_program``); its stderr."""
-    proc = run_program("spmd_rl.train", [*TINY, "--trainer.output-dir", out_dir, *flags], nproc=nproc, cwd=REPO,
+def run(out_dir: str, *flags: str, nproc: int) -> subprocess.CompletedProcess:
+    """A run whose ranks are forked from a warm process (``run_program``), for the tests that are
+    about the program and not about its launcher."""
+    return run_program("spmd_rl.train", [*TINY, "--trainer.output-dir", out_dir, *flags], nproc=nproc, cwd=REPO,
                        env=dict(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1"))
+
+
+def run_ok(out_dir: str, *flags: str, nproc: int) -> str:
+    """A run that must succeed; its stderr."""
+    proc = run(out_dir, *flags, nproc=nproc)
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
     return proc.stderr
 
@@ -93,9 +99,9 @@ def test_teacher_distillation_colocated_and_on_a_pool(tmp_path):
 
 
 def test_teacher_with_another_tokenizer_is_refused(tmp_path):
-    proc = launch(str(tmp_path / "run"), "--teacher.model.path", "smollm2-135m-instruct", "--algo.distill-coef", "0.1",
-                  "--trainer.total-steps", "1", nproc=1)
-    _, err = proc.communicate(timeout=300)
+    proc = run(str(tmp_path / "run"), "--teacher.model.path", "smollm2-135m-instruct", "--algo.distill-coef", "0.1",
+               "--trainer.total-steps", "1", nproc=1)
+    err = proc.stderr
     assert proc.returncode != 0
     assert "have different tokenizers" in err and "smollm2-135m-instruct" in err and "tiny-random" in err
 

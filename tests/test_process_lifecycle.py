@@ -5,8 +5,9 @@
 * Under torchrun (2 CPU processes, the tiny model):
   - exit: gloo work left for the process's exit (``support.faults:digit_fraction_late_gloo_work``)
     used to abort rank 0 in interpreter finalization (SIGABRT / SIGSEGV); the run exits 0;
-  - stall: rank 1 SIGSTOPped in the reward stage: every process ends within about a minute and the
-    output names rank 1 and its stage and step;
+  - stall: rank 1 SIGSTOPped in the reward stage: every process ends within seconds of the stall
+    timeout (the watchdog SIGKILLs the stopped sibling: torchrun's 30 s SIGTERM grace is not waited
+    for) and the output names rank 1 and its stage and step;
   - a ``kill -9`` of the torchrun agent ends its workers (PR_SET_PDEATHSIG).
 """
 
@@ -133,6 +134,25 @@ def test_watchdog_lets_a_long_stage_run(caplog):
         ranks.close()
 
 
+def test_kill_sibling_ends_only_a_worker_of_the_same_parent():
+    """What the watchdog does to a silent rank on its host: SIGKILL, only where the pid is a child of
+    its own parent (a worker of the same launcher agent), never a reused pid or another's process."""
+    from spmd_rl.distributed.watchdog import _kill_sibling
+
+    sibling = subprocess.Popen(["sleep", "60"])  # a child of this process, as a rank is of torchrun
+    try:
+        assert not _kill_sibling(sibling.pid)  # not a sibling of this process: left alone
+        assert sibling.poll() is None
+        child = os.fork()
+        if child == 0:  # a sibling of `sleep`: the same parent
+            os._exit(0 if _kill_sibling(sibling.pid) else 1)
+        assert os.waitpid(child, 0)[1] == 0
+        assert sibling.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if sibling.poll() is None:
+            sibling.kill()
+
+
 def test_format_ranks():
     assert format_ranks([3]) == "rank 3"
     assert format_ranks([5, 0, 1, 2, 7, 8]) == "ranks 0-2, 5, 7-8"
@@ -238,10 +258,11 @@ def test_gloo_work_left_at_exit_does_not_abort(tmp_path):
 
 
 def test_stopped_rank_ends_the_run_naming_it(tmp_path):
-    """Rank 1 SIGSTOPs itself in the reward stage of step 2; with a 20 s stall timeout every process
-    is gone within about a minute, and the output says which rank stopped, where."""
+    """Rank 1 SIGSTOPs itself in the reward stage of step 2; with a 10 s stall timeout every process
+    is gone well before torchrun's 30 s SIGTERM grace would have run out (rank 0's watchdog kills
+    the stopped rank), and the output says which rank stopped, where."""
     marker, log_path = tmp_path / "stopped", str(tmp_path / "log")
-    proc = start(str(tmp_path / "run"), "--trainer.total-steps", "4", "--trainer.stall-timeout-s", "20",
+    proc = start(str(tmp_path / "run"), "--trainer.total-steps", "4", "--trainer.stall-timeout-s", "10",
                  "--reward.fn", "support.faults:digit_fraction_stopped", log_path=log_path,
                  env={"STOP_AT_CALL": "2", "STOP_RANK": "1", "STOP_MARKER": str(marker)})
     stopped = []
@@ -256,8 +277,10 @@ def test_stopped_rank_ends_the_run_naming_it(tmp_path):
         took = time.monotonic() - t0
         text = open(log_path).read()
         assert proc.returncode != 0
-        # 20 s + the watchdog's check (5 s) + torchrun's 30 s from SIGTERM to SIGKILL for a stopped process
-        assert took < 75, f"took {took:.0f} s\n{text[-5000:]}"
+        # 10 s + the watchdog's check (3 s) + torchrun noticing; without the SIGKILL of the stopped
+        # rank, torchrun's 30 s from SIGTERM to SIGKILL would come on top
+        assert took < 38, f"took {took:.0f} s\n{text[-5000:]}"
+        assert "sent SIGKILL to silent rank 1" in text, text[-5000:]
         assert not alive(stopped[0]), "the stopped rank outlived the run"
         assert "stall: rank 0 has been in stage " in text and "of step 2" in text, text[-5000:]
         assert "rank 1's last heartbeat was" in text and "in stage 'reward' of step 2" in text, text[-5000:]

@@ -27,7 +27,9 @@ change stages in the same order) alive at an earlier step or stage is *behind*; 
 is ``exited`` has left. Any of them: the thread logs ONE message naming them, their step and stage
 (the first reporting rank logs it in full, the others a line), writes it to torchrun's error file
 (so torchrun's summary shows it as the root cause), and ends the process with status 1; torchrun
-(or srun) ends the others. Otherwise the stage is just long: on every rank alike (or it hangs on
+(or srun) ends the others. A silent rank that is a sibling on this host (same launcher agent) is
+SIGKILLed first: a stopped process cannot act on the launcher's SIGTERM, and torchrun would wait its
+30 s grace before killing it. Otherwise the stage is just long: on every rank alike (or it hangs on
 every rank alike), or ranks *ahead* wait for this one, which is still working (they will judge it
 behind if it hangs). The thread then logs a warning once per stage and the run goes on.
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -115,6 +118,7 @@ class Watchdog(NullWatchdog):
         self._warned: tuple[int, str] | None = None
         self._next_check = 0.0
         self._store_errors = 0
+        self._silent_pids: dict[int, int] = {}  # rank -> pid, of the silent ranks on this host (last check)
         self._thread = threading.Thread(target=self._run, name="spmd_rl stall watchdog", daemon=True)
 
     # ------------------------------------------------------------------ the main thread's side
@@ -188,6 +192,7 @@ class Watchdog(NullWatchdog):
         second = self._read()
         now_wall, waited = time.time(), time.monotonic() - began
         silent, left, behind, ahead = [], [], {}, []  # behind: (step, stage) -> [(rank, since)]
+        self._silent_pids = {}
         for r in range(self.world_size):
             if r == self.rank:
                 continue
@@ -196,6 +201,8 @@ class Watchdog(NullWatchdog):
                 left.append(f"rank {r} has exited (after step {info.get('step')})")
             elif count is None or count == first[r][1][0]:
                 silent.append(_silent_line(r, info, at, now_wall))
+                if info is not None and count is not None and info.get("host") == self.host and info.get("pid"):
+                    self._silent_pids[r] = int(info["pid"])
             elif info is not None and info.get("lockstep", True) and (info.get("step"), info.get("stage")) != (step, stage):
                 if (info.get("step", 0), info.get("seq", 0)) < (step, seq):
                     behind.setdefault((info.get("step"), info.get("stage")), []).append((r, info.get("since", now_wall)))
@@ -238,6 +245,9 @@ class Watchdog(NullWatchdog):
         main = sys._current_frames().get(threading.main_thread().ident)
         where = "".join(traceback.format_stack(main)) if main is not None else ""
         write_error_file(message, f"Where rank {self.rank}'s main thread waits (most recent call last):\n{where}{message}")
+        for rank, pid in self._silent_pids.items():
+            if _kill_sibling(pid):
+                log.error("rank %d: sent SIGKILL to silent rank %d (pid %d on this host)", self.rank, rank, pid)
         # No exit handlers: they run in this thread while the main thread holds whatever it holds.
         exit_now(1, run_exit_handlers=False)
 
@@ -292,6 +302,21 @@ def _silent_line(r: int, info: dict | None, at: float | None, now: float) -> str
     return (f"rank {r}'s last heartbeat was {max(now - at, 0):.0f} s ago, {where} (entered "
             f"{max(now - info.get('since', now), 0):.0f} s ago): it stopped, froze or died "
             f"(pid {info.get('pid')} on {info.get('host')})")
+
+
+def _kill_sibling(pid: int) -> bool:
+    """SIGKILL ``pid`` if it is a child of this process's parent (a worker of the same launcher
+    agent, not a reused pid or someone else's process); whether a signal was sent."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        if parent <= 1 or ppid != parent or pid == os.getpid():
+            return False
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except (OSError, ValueError, IndexError):  # gone meanwhile, or no /proc (not Linux)
+        return False
 
 
 def _own_client(store):

@@ -1,9 +1,11 @@
 """Measurements of the vLLM rollout engine, run with the Python that has vLLM (tests/test_vllm_rollout.py).
 
     python tests/support/vllm_worker.py single OUT_DIR                  # one process
-    TP=2 PP=1 torchrun --nproc-per-node 2 tests/support/vllm_worker.py spmd OUT_DIR
+    TPS=2,1 PP=1 torchrun --nproc-per-node 2 tests/support/vllm_worker.py spmd OUT_DIR
 
-It only measures and writes ``OUT_DIR/<mode>-rank<R>.json``; the pytest side asserts. Model: the
+It only measures and writes ``OUT_DIR/<mode>-rank<R>.json`` (``spmd``: ``spmd-tp<TP>-rank<R>.json``
+for each TP of ``$TPS``, one engine after the other in the same processes: one launch, one vLLM
+import); the pytest side asserts. Model: the
 ``tiny-random`` Llama (4 layers, hidden 256, head_dim 64, which vLLM's CPU attention supports; in
 ``single`` mode with its ``lm_head`` tied to the embedding, as SmolLM2 has it), in float32, so vLLM and the FSDP engine can be compared tightly. The "trainer" log-probs come from
 :class:`spmd_rl.engine.fsdp.FSDPEngine`, the engine the trainer uses, on the same world.
@@ -82,19 +84,42 @@ def rows(gen) -> list[list[int]]:
     return [r[m.bool()].tolist() for r, m in zip(gen.response_ids, gen.response_mask)]
 
 
-def init_world() -> None:
-    if "RANK" not in os.environ:  # one process: a world of one over a local file store
-        store = dist.FileStore(str(Path(os.environ["OUT_DIR"]) / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    else:
+def init_world(again: int = 0) -> None:
+    """The world of this process: torchrun's, else one rank. ``again``: vLLM's engine shutdown
+    destroyed it, a new one over a fresh file store (torchrun's store holds the old world's keys)."""
+    if "RANK" in os.environ and not again:
         dist.init_process_group("gloo")
+    else:  # one process, or a new world: over a local file store
+        store = dist.FileStore(str(Path(os.environ["OUT_DIR"]) / f"store{again}"), int(os.environ.get("WORLD_SIZE", "1")))
+        dist.init_process_group("gloo", store=store, rank=int(os.environ.get("RANK", "0")),
+                                world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def main(mode: str, out_dir: Path) -> None:
     os.environ["OUT_DIR"] = str(out_dir)
+    core_imported_vllm = None
+    if mode == "single":  # the trainer's modules, imported where vLLM is installed, must not import it
+        import spmd_rl.rollout
+        import spmd_rl.train
+        import spmd_rl.trainer
+
+        core_imported_vllm = "vllm" in sys.modules
     init_world()
+    pp = int(os.environ.get("PP", "1"))
+    for i, tp in enumerate(int(t) for t in os.environ.get("TPS", "1").split(",")):
+        if not dist.is_initialized():  # the previous engine's shutdown destroyed the world
+            init_world(again=i)
+        result = measure(mode, out_dir, tp, pp)
+        result["core_imported_vllm"] = core_imported_vllm
+        name = f"{mode}-rank{result['rank']}.json" if mode == "single" else f"{mode}-tp{tp}-rank{result['rank']}.json"
+        (out_dir / name).write_text(json.dumps(result))
+    if dist.is_initialized():  # vLLM's engine shutdown may have torn the world down already
+        dist.destroy_process_group()
+
+
+def measure(mode: str, out_dir: Path, tp: int, pp: int) -> dict:
+    """One vLLM engine of ``tp`` x ``pp`` on this world: what :func:`main` writes for it."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    tp, pp = int(os.environ.get("TP", "1")), int(os.environ.get("PP", "1"))
     from spmd_rl.rollout import build_rollout
 
     folder = str(materialise_tiny_random(cache_root(None), TinyShape(**TINY)))
@@ -180,9 +205,7 @@ def main(mode: str, out_dir: Path) -> None:
         result["rss_mb"] = rss
         result["sleep_supported"] = engine.sleep_supported
     engine.close()
-    (out_dir / f"{mode}-rank{rank}.json").write_text(json.dumps(result))
-    if dist.is_initialized():  # vLLM's engine shutdown may have torn the world down already
-        dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":
