@@ -99,9 +99,9 @@ def main(mode: str, out_dir: Path) -> None:
     os.environ["OUT_DIR"] = str(out_dir)
     core_imported_vllm = None
     if mode == "single":  # the trainer's modules, imported where vLLM is installed, must not import it
-        import spmd_rl.rollout
-        import spmd_rl.train
-        import spmd_rl.trainer
+        import spmd_rl.rollout  # noqa: F401
+        import spmd_rl.train  # noqa: F401
+        import spmd_rl.trainer  # noqa: F401
 
         core_imported_vllm = "vllm" in sys.modules
     init_world()
