@@ -221,10 +221,12 @@ def _vllm_shard(name: str, hf: dict, tp: int, t: int, vocab_rows: int) -> tuple[
 
 
 @needs_vllm
-def test_vllm_on_a_rollout_pool_of_its_own(tmp_path: Path) -> None:
-    """4 processes: the actor under FSDP on global ranks 0-1, vLLM tp 2 on a rollout pool (ranks 2-3)
-    whose groups span those two ranks only. After every update the weights vLLM holds on each tp rank
-    are the actor's, bit for bit, and its log-probs of the sampled tokens match the actor's."""
+@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
+def test_vllm_on_a_rollout_pool_of_its_own(tmp_path: Path, engine: str) -> None:
+    """4 processes: the actor on global ranks 0-1 (FSDP 2, or megatron tp 2), vLLM tp 2 on a rollout
+    pool (ranks 2-3) whose groups span those two ranks only. After every update the weights vLLM holds
+    on each tp rank are the actor's, bit for bit, and its log-probs of the sampled tokens match the
+    actor's."""
     out, taps = tmp_path / "run", tmp_path / "taps"
     taps.mkdir()
     flags = [
@@ -236,6 +238,7 @@ def test_vllm_on_a_rollout_pool_of_its_own(tmp_path: Path) -> None:
         "--logging.wandb", "off", "--logging.no-console", "--trainer.val-every", "0",
         "--rollout.backend", "vllm", "--rollout.tp", "2", "--pools.rollout-ranks", "2",
         "--algo.rollout-is", "token_truncated", "--trainer.total-steps", "3", "--trainer.output-dir", str(out),
+        "--actor.engine", engine, *(["--actor.megatron.tp", "2"] if engine == "megatron" else []),
     ]
     _run(_torchrun(4, os.path.join(HERE, "support", "vllm_pool_run.py"), *flags), _env(TAP_DIR=str(taps)))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -3,6 +3,7 @@
     TAP_DIR=OUT torchrun --nproc-per-node 4 tests/support/vllm_pool_run.py <spmd_rl.train flags>
 
 * actor rank 0: the actor's full tensors of every weight sync to the rollout pool -> ``OUT/sync<k>.pt``;
+* with ``--actor.engine megatron``, the actor ranks install the megatron-core CPU shims first;
 * each rollout rank: vLLM's own parameters (its tp shard, fused q/k/v and gate/up) after every
   ``load_weights`` -> ``OUT/vllm-rank<R>-load<k>.pt`` with its tp rank and size (see ``weights_held``).
 
@@ -77,5 +78,22 @@ def load_weights(self, named_tensors):
 RolloutLink.sync_weights = sync_weights
 vllm_engine.VllmRollout.load_weights = load_weights
 
+
+def actor_rank_of_megatron(argv: list[str]) -> bool:
+    """Whether this process builds the megatron engine on the CPU (an actor-pool rank of a
+    ``--actor.engine megatron`` run): it then needs the megatron-core CPU shims, which the rollout
+    pool's vLLM ranks must not get."""
+    engine = argv[argv.index("--actor.engine") + 1] if "--actor.engine" in argv else "fsdp"
+    if engine != "megatron":
+        return False
+    rollout = int(argv[argv.index("--pools.rollout-ranks") + 1]) if "--pools.rollout-ranks" in argv else 0
+    return int(os.environ["RANK"]) < int(os.environ["WORLD_SIZE"]) - rollout
+
+
 if __name__ == "__main__":
+    if actor_rank_of_megatron(sys.argv[1:]):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `support`
+        from support.megatron_cpu import install_megatron_cpu_shims
+
+        install_megatron_cpu_shims()
     train.run(sys.argv[1:])
