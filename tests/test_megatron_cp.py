@@ -30,7 +30,7 @@ from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.testing import run_distributed
 from support.numerics import max_rel, rel
 from test_fsdp_parity import ACTOR, ALGO, MICRO, TEMPERATURE, TOL, micro_loss, response_logprobs
-from test_megatron_parity import _engine, _reset, make_pad_batch, tiny4_folder, tiny_moe_folder
+from test_megatron_parity import _engine, _reset, make_pad_batch, rank_rows, run_updates, tiny4_folder, tiny_moe_folder
 
 pytest.importorskip("megatron.core")
 
@@ -113,28 +113,8 @@ def _updates(folder: str, batch: RolloutBatch, layout_kw: dict) -> dict[str, Any
     algo = AlgoConfig(**ALGO)
     engine, layout = _engine(folder, layout_kw)
     logprobs, _ = engine.compute_logprobs(batch, temperature=TEMPERATURE, micro_batch_size=MICRO)
-    coords = layout.coords(dist.get_rank())
-    share = len(batch) // layout.dp_size
-    mine = batch.select(range(coords["dp"] * share, (coords["dp"] + 1) * share))
-    weight = float(layout.counts_in_sums(dist.get_rank()))  # tp 0, cp 0, last stage
-    counts = torch.tensor([mine["response_mask"].sum().item(), float(len(mine))], dtype=torch.float64) * weight
-    dist.all_reduce(counts)
-    global_tokens, global_seqs = counts.tolist()
-    losses, norms = [], []
-    for _ in range(UPDATES):
-        parts: list[torch.Tensor] = [torch.zeros((), dtype=torch.float64)]
-
-        def loss_fn(logp, entropy, micro, parts=parts):
-            loss, _ = micro_loss(logp, entropy, micro, algo=algo, global_tokens=global_tokens, global_seqs=global_seqs)
-            parts.append(loss.detach().double() * weight)
-            return loss, {}
-
-        stats = engine.train_mini_batch(engine.micro_batches(mine, micro_batch_size=MICRO), loss_fn,
-                                        temperature=TEMPERATURE, need_entropy_grad=True)
-        loss = torch.stack(parts).sum()
-        dist.all_reduce(loss)
-        losses.append(loss.item())
-        norms.append(stats["grad_norm"])
+    mine, weight = rank_rows(batch, layout)
+    losses, norms = run_updates(engine, mine, algo=algo, weight=weight, updates=UPDATES)
     weights = {n: t.numpy().copy() for n, t in engine.named_full_tensors()}
     _reset()
     return dict(losses=losses, grad_norms=norms, weights=weights, logprobs=logprobs.numpy().copy())

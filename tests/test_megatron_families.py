@@ -15,15 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from spmd_rl.config import AlgoConfig
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.testing import run_distributed
 from spmd_rl.models import load_causal_lm
 from support.numerics import max_rel
-from test_fsdp_parity import ALGO, MICRO, TEMPERATURE, TOL, make_batch, micro_loss, reference_update, response_logprobs
-from test_megatron_parity import _check_update, _engine, _reset
+from test_fsdp_parity import ALGO, TEMPERATURE, TOL, make_batch, reference_update, response_logprobs
+from test_megatron_parity import _check_update, _engine, _reset, rank_rows, run_updates
 
 pytest.importorskip("megatron.core")
 
@@ -87,28 +86,12 @@ def _family_run(folder: str, batch: RolloutBatch, layout_kw: dict) -> dict[str, 
     exported = dict(engine.named_full_tensors())
     roundtrip = dict(names=set(exported) == set(source),
                      unequal=sorted(n for n in source if n in exported and not torch.equal(exported[n], source[n])))
-    coords = layout.coords(dist.get_rank())
-    share = len(batch) // layout.dp_size
-    mine = batch.select(range(coords["dp"] * share, (coords["dp"] + 1) * share))
-    weight = float(coords["tp"] == 0 and coords["pp"] == layout.pp - 1)  # one counting rank per dp group
-    counts = torch.tensor([mine["response_mask"].sum().item(), float(len(mine))], dtype=torch.float64) * weight
-    dist.all_reduce(counts)
-    tokens, seqs = counts.tolist()
-    losses = [torch.zeros((), dtype=torch.float64)]
-
-    def loss_fn(logprobs, entropy, micro):
-        loss, _ = micro_loss(logprobs, entropy, micro, algo=algo, global_tokens=tokens, global_seqs=seqs)
-        losses.append(loss.detach().double() * weight)
-        return loss, {}
-
-    stats = engine.train_mini_batch(engine.micro_batches(mine, micro_batch_size=MICRO), loss_fn,
-                                    temperature=TEMPERATURE, need_entropy_grad=True)
-    loss = torch.stack(losses).sum()
-    dist.all_reduce(loss)
+    mine, weight = rank_rows(batch, layout)
+    losses, norms = run_updates(engine, mine, algo=algo, weight=weight)
     weights = {n: t.numpy().copy() for n, t in engine.named_full_tensors()}
     _reset()
-    return dict(logprobs=logp, roundtrip=roundtrip, rope_equal=rope_equal, loss=loss.item(),
-                grad_norm=stats["grad_norm"], weights=weights, rows=len(mine))
+    return dict(logprobs=logp, roundtrip=roundtrip, rope_equal=rope_equal, loss=losses[0],
+                grad_norm=norms[0], weights=weights, rows=len(mine))
 
 
 def _world_body(rank: int, world_size: int, folders: dict[str, str], batches: dict[str, RolloutBatch]) -> dict:

@@ -102,31 +102,47 @@ def _reset() -> None:
     ps.destroy_model_parallel()
 
 
-def engine_update(folder: str, batch: RolloutBatch, layout_kw: dict) -> dict[str, Any]:
-    algo = AlgoConfig(**ALGO)
-    engine, layout = _engine(folder, layout_kw)
-    coords = layout.coords(dist.get_rank())
+def rank_rows(batch: RolloutBatch, layout: Any) -> tuple[RolloutBatch, float]:
+    """This rank's rows of ``batch`` (its data-parallel share) and its weight in global sums: as
+    ``Trainer.update``, one rank per data-parallel group counts (``layout.counts_in_sums``)."""
     share = len(batch) // layout.dp_size
-    mine = batch.select(range(coords["dp"] * share, (coords["dp"] + 1) * share))
-    # as Trainer.update: one rank per data-parallel group counts (tp 0, last pipeline stage)
-    weight = float(coords["tp"] == 0 and coords["pp"] == layout.pp - 1)
+    dp = layout.coords(dist.get_rank())["dp"]
+    return batch.select(range(dp * share, (dp + 1) * share)), float(layout.counts_in_sums(dist.get_rank()))
+
+
+def run_updates(engine: Any, mine: RolloutBatch, *, algo: AlgoConfig, weight: float,
+                updates: int = 1) -> tuple[list[float], list[float]]:
+    """``updates`` mini-batch updates of ``engine`` on this rank's rows ``mine`` with the token-mean loss over
+    the whole (global) batch, as ``Trainer.update`` runs them; each update's global loss and grad norm."""
     counts = torch.tensor([mine["response_mask"].sum().item(), float(len(mine))], dtype=torch.float64) * weight
     dist.all_reduce(counts)
     global_tokens, global_seqs = counts.tolist()
-    losses: list[torch.Tensor] = [torch.zeros((), dtype=torch.float64)]
+    losses, norms = [], []
+    for _ in range(updates):
+        parts: list[torch.Tensor] = [torch.zeros((), dtype=torch.float64)]
 
-    def loss_fn(logprobs, entropy, micro):
-        loss, _ = micro_loss(logprobs, entropy, micro, algo=algo, global_tokens=global_tokens, global_seqs=global_seqs)
-        losses.append(loss.detach().double() * weight)
-        return loss, {}
+        def loss_fn(logprobs, entropy, micro, parts=parts):
+            loss, _ = micro_loss(logprobs, entropy, micro, algo=algo, global_tokens=global_tokens,
+                                 global_seqs=global_seqs)
+            parts.append(loss.detach().double() * weight)
+            return loss, {}
 
-    stats = engine.train_mini_batch(engine.micro_batches(mine, micro_batch_size=MICRO), loss_fn,
-                                    temperature=TEMPERATURE, need_entropy_grad=True)
-    loss = torch.stack(losses).sum()
-    dist.all_reduce(loss)
+        stats = engine.train_mini_batch(engine.micro_batches(mine, micro_batch_size=MICRO), loss_fn,
+                                        temperature=TEMPERATURE, need_entropy_grad=True)
+        loss = torch.stack(parts).sum()
+        dist.all_reduce(loss)
+        losses.append(loss.item())
+        norms.append(stats["grad_norm"])
+    return losses, norms
+
+
+def engine_update(folder: str, batch: RolloutBatch, layout_kw: dict) -> dict[str, Any]:
+    engine, layout = _engine(folder, layout_kw)
+    mine, weight = rank_rows(batch, layout)
+    losses, norms = run_updates(engine, mine, algo=AlgoConfig(**ALGO), weight=weight)
     weights = {n: t.numpy().copy() for n, t in engine.named_full_tensors()}
     _reset()
-    return dict(loss=loss.item(), grad_norm=stats["grad_norm"], weights=weights, rows=len(mine))
+    return dict(loss=losses[0], grad_norm=norms[0], weights=weights, rows=len(mine))
 
 
 def _update_body(rank: int, world_size: int, folder: str, batch: RolloutBatch, layouts: dict) -> dict[str, Any]:

@@ -151,6 +151,15 @@ def test_two_processes_under_torchrun(spmd_runs: dict[int, list[dict]], tp: int)
         assert ranks[0]["replica"] != ranks[1]["replica"] and ranks[0]["a"] != ranks[1]["a"]
 
 
+def _tiny_grpo_flags() -> list[str]:
+    """The GRPO runs' model, task and objective (the tests add the rollout layout and the run length)."""
+    return ["--model.path", tiny_model_folder(None, layers=4, hidden=256),
+            "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "8",
+            "--rollout.n", "4", "--rollout.max-new-tokens", "8", "--rollout.temperature", "1.0",
+            "--actor.lr", "3e-3", "--actor.ppo-mini-batch-size", "8", "--actor.micro-batch-size", "16",
+            "--reward.fn", "support.rewards:digit_fraction", "--algo.kl-coef", "0.0"]
+
+
 @needs_vllm
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_grpo_run_with_vllm_tp2_and_is_correction(tmp_path: Path, lora: bool) -> None:
@@ -158,11 +167,7 @@ def test_grpo_run_with_vllm_tp2_and_is_correction(tmp_path: Path, lora: bool) ->
     so its log-probs still match the actor's, adapters on."""
     out = tmp_path / "run"
     flags = [
-        "--model.path", tiny_model_folder(None, layers=4, hidden=256),
-        "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "8",
-        "--rollout.n", "4", "--rollout.max-new-tokens", "8", "--rollout.temperature", "1.0",
-        "--actor.lr", "3e-3", "--actor.ppo-mini-batch-size", "8", "--actor.micro-batch-size", "16",
-        "--reward.fn", "support.rewards:digit_fraction", "--algo.kl-coef", "0.0",
+        *_tiny_grpo_flags(),
         "--logging.wandb", "off", "--logging.no-console", "--trainer.val-every", "3",
         "--rollout.backend", "vllm", "--rollout.tp", "2", "--algo.rollout-is", "token_truncated",
         "--trainer.total-steps", "3", "--trainer.output-dir", str(out),
@@ -230,11 +235,7 @@ def test_vllm_on_a_rollout_pool_of_its_own(tmp_path: Path, engine: str) -> None:
     out, taps = tmp_path / "run", tmp_path / "taps"
     taps.mkdir()
     flags = [
-        "--model.path", tiny_model_folder(None, layers=4, hidden=256),
-        "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "8",
-        "--rollout.n", "4", "--rollout.max-new-tokens", "8", "--rollout.temperature", "1.0",
-        "--actor.lr", "3e-3", "--actor.ppo-mini-batch-size", "8", "--actor.micro-batch-size", "16",
-        "--reward.fn", "support.rewards:digit_fraction", "--algo.kl-coef", "0.0",
+        *_tiny_grpo_flags(),
         "--logging.wandb", "off", "--logging.no-console", "--trainer.val-every", "0",
         "--rollout.backend", "vllm", "--rollout.tp", "2", "--pools.rollout-ranks", "2",
         "--algo.rollout-is", "token_truncated", "--trainer.total-steps", "3", "--trainer.output-dir", str(out),
