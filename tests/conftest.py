@@ -60,8 +60,11 @@ def _machine_share(request: pytest.FixtureRequest):
 # ``--dist loadfile`` hands whole files to the two workers in collection order. Started last, a file
 # of several minutes (vLLM's subprocesses, the launchers' fault tests) would run alone at the end
 # while the other worker idles; started first, the short files fill in around it.
-LONG_FILES = ("test_vllm_rollout.py", "test_process_lifecycle.py", "test_slurm.py", "test_multinode.py",
-              "test_checkpoint.py", "test_pools.py", "test_lora.py", "test_train_e2e.py", "test_megatron_parity.py")
+LONG_FILES = ("test_vllm_rollout.py", "test_megatron_pools.py", "test_pools.py", "test_megatron_families.py",
+              "test_process_lifecycle.py", "test_multinode.py", "test_checkpoint.py", "test_train_e2e.py",
+              "test_slurm.py", "test_doc_commands.py", "test_megatron_parity.py", "test_models.py",
+              "test_rollout_fast.py", "test_checkpoint_faults.py", "test_reward_pool.py", "test_async.py",
+              "test_lora.py", "test_megatron_cp.py", "test_rollout_contbatch.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
