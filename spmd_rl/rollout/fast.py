@@ -613,26 +613,8 @@ class FastDecoder:
             raise ValueError(f"FastDecoder: max_new_per_row needs {b} values in [1, {max_new_tokens}]")
         cur = self.bucket(min(b, self.buckets[-1]))
         self._ensure_cache(cur, longest + max_new_tokens, b)
-        self._set_eos(eos)
-        half = self.head_dim // 2
-        for t, key in enumerate(self.rope_keys):  # the same tables as HF's forward
-            extra = () if key is None else (key,)
-            cos, sin = self.inner.rotary_emb(self._cos[t][None], self._slots[None], *extra)
-            self._cos[t].copy_(cos[0])
-            self._sin[t].copy_(torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1))  # rotate_half's sign
-
-        spare = self._out_tok.shape[0] - 1
-        # every slot starts as a spare: finished, slot 0 (so its attention row is never empty), flat logits
-        for buf in (self._pad, self._pos, self._wpos, self._ncol):
-            buf.zero_()
-        self._row_of.fill_(spare)
-        self._finished.fill_(True)
-        self._scaled.zero_()
-        self._lse.zero_()
-        self._temp.fill_(temperature if temperature > 0 else 1.0)
-        self._out_tok[:b].fill_(self.pad_token_id)
-        self._out_lp[:b].zero_()
-        self._out_mask[:b].zero_()
+        spare = self._start_call(temperature=temperature, eos=eos)
+        self._clear_outputs(torch.arange(b, device=self.device))
 
         queue = list(range(b))[::-1]  # popped from the end: rows in the order given
         top = self._fill(list(range(min(cur, b))), queue, rows, limits)  # highest write slot so far
@@ -668,6 +650,32 @@ class FastDecoder:
         last = tokens.gather(1, mask.sum(-1, keepdim=True).long().clamp_(min=1) - 1).squeeze(1)
         truncated = ~torch.isin(last, self._eos)  # a row ends at its first EOS, so no EOS last = no EOS at all
         return tokens, mask[:, :width].clone(), self._out_lp[:b, :width].clone(), truncated
+
+    def _start_call(self, *, temperature: float, eos: torch.Tensor) -> int:
+        """Set up a call on the allocated cache: the EOS ids, the RoPE tables, every slot a spare
+        (finished, slot 0, so its attention row is never empty; flat logits); returns the spare output row."""
+        self._set_eos(eos)
+        half = self.head_dim // 2
+        for t, key in enumerate(self.rope_keys):  # the same tables as HF's forward
+            extra = () if key is None else (key,)
+            cos, sin = self.inner.rotary_emb(self._cos[t][None], self._slots[None], *extra)
+            self._cos[t].copy_(cos[0])
+            self._sin[t].copy_(torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1))  # rotate_half's sign
+        spare = self._out_tok.shape[0] - 1
+        for buf in (self._pad, self._pos, self._wpos, self._ncol):
+            buf.zero_()
+        self._row_of.fill_(spare)
+        self._finished.fill_(True)
+        self._scaled.zero_()
+        self._lse.zero_()
+        self._temp.fill_(temperature if temperature > 0 else 1.0)
+        return spare
+
+    def _clear_outputs(self, rows: torch.Tensor) -> None:
+        """Empty the output rows ``rows`` (before rows start writing there)."""
+        self._out_tok[rows] = self.pad_token_id
+        self._out_lp[rows] = 0.0
+        self._out_mask[rows] = 0.0
 
     def _fill(self, slots: list[int], queue: list[int], rows: list[list[int]], limits: list[int]) -> int:
         """Prefill the next queued rows into the cache rows ``slots`` (as many as both have), in groups of

@@ -62,6 +62,7 @@ from .fast import FastDecoder
 from .layers import Fused, unsupported_reason
 from .lengths import LengthDist, draw_lengths
 from .sampling import filter_logits, sample_next
+from .stream import Done, Feed, run_stream
 
 log = logging.getLogger("spmd_rl")
 
@@ -206,6 +207,21 @@ class NativeRollout:
         return GenerationOutput(prompt_ids=rows, response_ids=out_tokens, response_mask=out_mask,
                                 logprobs=out_logprobs, truncated=out_truncated,
                                 weight_swaps=out_swaps if swap is not None else None)
+
+    @torch.no_grad()
+    def stream(self, *, feed: Feed, done: Done, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
+               max_prompt_length: int, seed: int, swap: Callable[[], bool] | None = None, swap_every: int = 32) -> int:
+        """Generate rows as ``feed`` gives them and hand each to ``done`` as it finishes, until the feed
+        is dry and no row is live (:mod:`spmd_rl.rollout.stream`); returns the weight swaps made."""
+        check_sampling_args([[0]], n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
+        self._check_awake("stream")
+        if self.max_positions is not None and max_prompt_length + max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"data.max_prompt_length ({max_prompt_length}) + rollout.max_new_tokens ({max_new_tokens}) exceeds "
+                f"the model's max_position_embeddings ({self.max_positions}); lower one of them")
+        return run_stream(self, feed=feed, done=done, temperature=temperature, top_p=top_p, top_k=top_k,
+                          max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length, seed=seed, swap=swap,
+                          swap_every=swap_every)
 
     def _generate_piece(
         self, rows: list[list[int]], *, limits: list[int] | None, max_new_tokens: int,

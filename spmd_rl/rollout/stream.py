@@ -1,0 +1,259 @@
+"""Streaming generation: rows come from a feed while others decode, and each row is handed back the
+moment it finishes (``rollout.stream``, asynchronous GRPO's groups in flight).
+
+    def feed(k):              # up to k new rows now (never blocks): [(key, prompt ids), ...]
+        ...
+    def done(key, tokens, logprobs, swaps, truncated):   # one finished row (CPU tensors)
+        ...
+    engine.stream(feed=feed, done=done, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256,
+                  max_prompt_length=512, seed=7)   # returns when the feed is dry and no row is live
+
+:meth:`~spmd_rl.rollout.native.NativeRollout.generate` takes a call's rows up front and returns them
+all at its end; a stream never ends by itself. On the fast path (:func:`stream_decode`) the decoder
+keeps its ``rollout.batch_size`` slots busy across what were separate calls: when slots are free and
+its queue is empty it asks the feed for more rows, and at every check (every ``check_every`` decode
+steps, the host sync the fast path already makes) it reads which slots finished, copies those rows'
+outputs to the host and calls ``done`` for each, so its output row is free for a new one (output rows
+are handles, twice the slots, recycled). A row's cache is sized for ``max_prompt_length +
+max_new_tokens``, the longest any fed row can need.
+
+Weights swapped mid-stream (``swap``, partial rollouts): as in ``generate``, every ``swap_every`` decode
+steps the stream asks whether new weights were loaded; if so it stops, the rows still going keep their
+tokens and log-probs and are fed again first, their prefix (prompt + tokens so far) prefilled under
+the new weights, and ``swaps`` says, per token, how many swaps preceded it. Without ``swap`` the
+caller changes weights between streams: its feed returns nothing, the live rows finish, the call
+returns (a drain).
+
+The Hugging Face loop streams in waves of ``batch_size`` rows (a wave ends when its rows do).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Hashable
+
+import torch
+
+from .lengths import draw_lengths
+
+if TYPE_CHECKING:
+    from .fast import FastDecoder
+    from .native import NativeRollout
+
+Feed = Callable[[int], list[tuple[Hashable, list[int]]]]
+"""``feed(k)``: at most ``k`` new rows, ``(key, prompt ids)``; never blocks (empty: none now)."""
+Done = Callable[[Hashable, torch.Tensor, torch.Tensor, torch.Tensor, bool], None]
+"""``done(key, tokens, logprobs, swaps, truncated)``: a finished row, its response on the CPU."""
+
+
+@dataclass
+class _Row:
+    """A streamed row: its prompt, its limit, and what it generated so far (several pieces when
+    weight swaps interrupted it)."""
+
+    prompt: list[int]
+    limit: int
+    tokens: list[torch.Tensor] = field(default_factory=list)
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    swaps: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def made(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    def prefix(self) -> list[int]:
+        return self.prompt + [t for piece in self.tokens for t in piece.tolist()]
+
+
+def run_stream(engine: "NativeRollout", *, feed: Feed, done: Done, temperature: float, top_p: float, top_k: int,
+               max_new_tokens: int, max_prompt_length: int, seed: int, swap: Callable[[], bool] | None = None,
+               swap_every: int = 32) -> int:
+    """The engine-level stream (see the module docstring); returns how many weight swaps happened."""
+    generator = torch.Generator(device=engine.device).manual_seed(seed)
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": generator}
+    rows: dict[Hashable, _Row] = {}
+    carry: list[Hashable] = []  # rows a swap interrupted: fed again first
+    drawn = [0]
+    swaps = 0
+
+    def feed_rows(k: int) -> list[tuple[Hashable, list[int], int]]:
+        out = []
+        while carry and len(out) < k:
+            key = carry.pop(0)
+            r = rows[key]
+            out.append((key, r.prefix(), r.limit - r.made))
+        if len(out) < k:
+            new = feed(k - len(out))
+            limits = ([max_new_tokens] * len(new) if engine.length_dist == "model" else draw_lengths(
+                engine.length_dist, count=len(new), low=min(engine.min_new_tokens, max_new_tokens),
+                high=max_new_tokens, seed=seed + drawn[0]))
+            drawn[0] += len(new)
+            for (key, prompt), limit in zip(new, limits):
+                if len(prompt) > max_prompt_length:
+                    raise ValueError(f"stream: a prompt of {len(prompt)} tokens is longer than the stream's "
+                                     f"max_prompt_length ({max_prompt_length})")
+                rows[key] = _Row(list(prompt), limit)
+                out.append((key, list(prompt), limit))
+        return out
+
+    def piece(key: Hashable, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        r = rows[key]
+        r.tokens.append(tokens.long())
+        r.logprobs.append(logprobs.float())
+        r.swaps.append(torch.full((len(tokens),), swaps, dtype=torch.long))
+
+    def finish(key: Hashable, tokens: torch.Tensor, logprobs: torch.Tensor, truncated: bool) -> None:
+        piece(key, tokens, logprobs)
+        r = rows.pop(key)
+        done(key, torch.cat(r.tokens), torch.cat(r.logprobs), torch.cat(r.swaps), truncated)
+
+    fired = [False]  # the last interrupt loaded new weights
+
+    def interrupt(steps: int) -> bool:
+        if engine.token_delay_s:
+            time.sleep(engine.token_delay_s)  # the benchmark's slow rollout, not a wait for anything
+        fired[0] = swap is not None and steps % swap_every == 0 and swap()
+        return fired[0]
+
+    hook = interrupt if swap is not None or engine.token_delay_s else None
+    slots = max_prompt_length + max_new_tokens
+    while True:
+        if engine._fast is not None:
+            live = stream_decode(engine._fast, feed=feed_rows, finish=finish, max_new_tokens=max_new_tokens,
+                                 slots=slots, eos=engine._eos, interrupt=hook, **sampling)
+        else:
+            live = _stream_waves(engine, feed=feed_rows, finish=finish, interrupt=hook, fired=fired, **sampling)
+        if live is None:  # the feed is dry and no row is live
+            return swaps
+        fired[0] = False
+        for key, tokens, logprobs in live:  # sampled by the old weights
+            piece(key, tokens, logprobs)
+        swaps += 1  # interrupted by new weights: the rows still going continue under them, first
+        carry[:0] = [key for key, *_ in live]
+
+
+def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
+                  finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None], temperature: float,
+                  top_k: int, top_p: float, max_new_tokens: int, slots: int, generator: torch.Generator,
+                  eos: torch.Tensor, interrupt: Callable[[int], bool] | None = None,
+                  ) -> list[tuple[Hashable, torch.Tensor, torch.Tensor]] | None:
+    """The fast path's stream: ``feed(k)`` gives ``(key, prompt ids, most new tokens)`` rows,
+    ``finish(key, tokens, logprobs, truncated)`` takes each finished one. Returns None when the feed
+    is dry and no row is live, or, when ``interrupt(steps)`` said stop, the rows not finished:
+    ``(key, tokens so far, logprobs)`` (queued ones with none)."""
+    cap = fast.buckets[-1]
+    handles = 2 * cap  # output rows: a finished row's is free once finish() copied it
+    fast._ensure_cache(cap, slots, handles)
+    spare = fast._start_call(temperature=temperature, eos=eos)
+    keys: list[Any] = [None] * handles
+    prompts: list[list[int]] = [[] for _ in range(handles)]
+    limits = [1] * handles
+    free = list(range(handles))[::-1]
+    queue: list[int] = []  # handles waiting for a slot, popped from the end
+
+    def pull(k: int) -> None:
+        new = feed(min(k, len(free)))
+        taken = [free.pop() for _ in new]
+        for h, (key, ids, limit) in zip(taken, new):
+            if not 1 <= limit <= max_new_tokens:
+                raise ValueError(f"stream: a row's limit {limit} is outside [1, {max_new_tokens}]")
+            keys[h], prompts[h], limits[h] = key, ids, limit
+        if taken:
+            fast._clear_outputs(torch.tensor(taken, device=fast.device))
+            queue[:0] = taken[::-1]
+
+    def harvest(handles_done: list[int]) -> None:
+        idx = torch.tensor(handles_done, device=fast.device)
+        tok, lp, mask = (t[idx].cpu() for t in (fast._out_tok, fast._out_lp, fast._out_mask))
+        eos_ids = set(eos.tolist())
+        for i, h in enumerate(handles_done):
+            n = int(mask[i].sum())
+            finish(keys[h], tok[i, :n].clone(), lp[i, :n].clone(), n == 0 or int(tok[i, n - 1]) not in eos_ids)
+            keys[h] = None
+        free.extend(handles_done)
+
+    cur = cap
+    pull(cur)
+    if not queue:
+        return None
+    top = fast._fill(list(range(min(cur, len(queue)))), queue, prompts, limits)
+    greedy = temperature == 0
+    mode = (True, 0, 1.0) if greedy else (False, top_k, top_p)
+    span = fast.span(top + fast.check_every + 1)
+    step, stopped = 0, False
+    while True:
+        if not greedy:
+            fast._u[:cur].uniform_(generator=generator)
+        fast._step(cur, span, mode)
+        step += 1
+        fast.steps += 1
+        stopped = interrupt is not None and interrupt(step)
+        if not stopped and step % fast.check_every:
+            continue
+        # one host sync: which slots finished, whose rows they hold, the highest write slot
+        state = torch.cat([fast._finished[:cur].long(), fast._row_of[:cur], fast._wpos[:cur].max()[None]]).tolist()
+        finished, row_of, top = state[:cur], state[cur:2 * cur], state[-1]
+        ended = [s for s in range(cur) if finished[s] and row_of[s] != spare]
+        if ended:
+            harvest([row_of[s] for s in ended])
+            fast._row_of[torch.tensor(ended, device=fast.device)] = spare
+        if stopped:
+            live = [row_of[s] for s in range(cur) if not finished[s]]
+            out = []
+            if live:
+                idx = torch.tensor(live, device=fast.device)
+                tok, lp, mask = (t[idx].cpu() for t in (fast._out_tok, fast._out_lp, fast._out_mask))
+                for i, h in enumerate(live):
+                    n = int(mask[i].sum())
+                    out.append((keys[h], tok[i, :n].clone(), lp[i, :n].clone()))
+            out += [(keys[h], torch.zeros(0, dtype=torch.long), torch.zeros(0)) for h in queue[::-1]]
+            return out
+        n_live = cur - sum(finished)
+        if not queue and n_live < cap:
+            pull(cap - n_live)
+        if queue and n_live + len(queue) > cur and cur < cap:  # rows came after a compaction: grow the bucket
+            grown = fast.bucket(min(cap, n_live + len(queue)))
+            fast._finished[cur:grown] = True
+            fast._row_of[cur:grown] = spare
+            finished += [1] * (grown - cur)
+            cur = grown
+        free_slots = [s for s in range(cur) if finished[s]]
+        if queue and (n_live == 0 or len(free_slots) >= max(1, int(cur * fast.refill_fraction))):
+            top = max(top, fast._fill(free_slots[:len(queue)], queue, prompts, limits))
+            fast.refills += 1
+        elif not queue and n_live == 0:
+            return None
+        elif not queue and fast.bucket(n_live) < cur:
+            cur = fast._compact(cur, spare=spare)
+        span = fast.span(top + fast.check_every + 1)
+
+
+def _stream_waves(engine: "NativeRollout", *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
+                  finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None],
+                  interrupt: Callable[[int], bool] | None, fired: list[bool],
+                  **sampling) -> list[tuple[Hashable, torch.Tensor, torch.Tensor]] | None:
+    """The Hugging Face loop's stream: waves of ``batch_size`` rows; the same results as
+    :func:`stream_decode` (None, or the rows an interrupt left unfinished; ``fired[0]``: the
+    interrupt said stop)."""
+    while True:
+        wave = feed(engine.batch_size)
+        if not wave:
+            return None
+        limits = torch.tensor([limit for _, _, limit in wave])
+        tokens, mask, logprobs, truncated = (x.cpu() for x in engine._generate_chunk_hf(
+            [ids for _, ids, _ in wave], max_new_tokens=int(limits.max()), limits=limits, interrupt=interrupt,
+            **sampling))
+        lengths, width = mask.sum(1).long().tolist(), tokens.shape[1]
+        live = []
+        for i, (key, _, limit) in enumerate(wave):
+            n = lengths[i]
+            if fired[0] and truncated[i] and n == width < limit:  # still going when the weights changed
+                live.append((key, tokens[i, :n].clone(), logprobs[i, :n].clone()))
+            else:
+                finish(key, tokens[i, :n].clone(), logprobs[i, :n].clone(), bool(truncated[i]))
+        if fired[0]:
+            return live
+
+
+__all__ = ["Done", "Feed", "run_stream", "stream_decode"]
