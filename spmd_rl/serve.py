@@ -41,8 +41,13 @@ def serve_pool(cfg: Config, env: DistEnv, groups: RunGroups) -> int:
             pool_groups=groups.rollout_pool_groups)
         try:
             # never asleep: its memory is its own (its pool's ranks, or its capped share of a shared GPU)
-            return serve_rollout_pool(engine=engine, link=groups.rollout_link, replica=replica, sleep_level=0,
-                                      partial=cfg.rollout.partial, partial_chunk=cfg.rollout.partial_chunk)
+            serving = dict(engine=engine, link=groups.rollout_link, replica=replica, sleep_level=0,
+                           partial=cfg.rollout.partial, partial_chunk=cfg.rollout.partial_chunk)
+            if cfg.rollout.stream:
+                from spmd_rl.rollout.pool_stream import StreamServer
+
+                return StreamServer(max_prompt_length=cfg.data.max_prompt_length, **serving).serve()
+            return serve_rollout_pool(**serving)
         finally:
             engine.close()
     if groups.in_teacher_pool:

@@ -104,4 +104,48 @@ class InFlight:
         self.restored = [(int(r[0]), [int(i) for i in r[1:]]) for r in state["rounds"]]
 
 
-__all__ = ["InFlight", "Placement", "StageTimer", "rollout_seed"]
+class GroupsInFlight:
+    """``rollout.stream``: the prompts issued to the rollout pool and not trained on yet, by round
+    (``round -> {position: prompt index}``). A checkpoint holds them (the same format as
+    :class:`InFlight`: a round with the prompts it has left); a resumed run issues them again."""
+
+    def __init__(self) -> None:
+        self.rounds: dict[int, dict[int, int]] = {}
+        self.restored: list[tuple[int, list[int]]] = []
+        self.next_round = 1
+
+    @property
+    def outstanding(self) -> int:
+        """Prompts issued and not trained on (complete, generating, or waiting to start)."""
+        return sum(len(r) for r in self.rounds.values())
+
+    def add(self, round_: int, indices: list[int]) -> None:
+        self.rounds[round_] = dict(enumerate(indices))
+        self.next_round = max(self.next_round, round_ + 1)
+
+    def reserve(self) -> int:
+        """A new round's number (the controller, issuing the prompts of dropped groups again)."""
+        self.next_round += 1
+        return self.next_round - 1
+
+    def sample(self, round_: int, position: int) -> int:
+        return self.rounds[round_][position]
+
+    def consume(self, keys: list[tuple[int, int]]) -> None:
+        for round_, position in keys:
+            del self.rounds[round_][position]
+            if not self.rounds[round_]:
+                del self.rounds[round_]
+
+    def reissue(self) -> list[tuple[int, list[int]]]:
+        out, self.restored = self.restored, []
+        return out
+
+    def state_dict(self) -> dict:
+        return {"rounds": [[r, *left.values()] for r, left in sorted(self.rounds.items())]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.restored = [(int(r[0]), [int(i) for i in r[1:]]) for r in state["rounds"]]
+
+
+__all__ = ["GroupsInFlight", "InFlight", "Placement", "StageTimer", "rollout_seed"]

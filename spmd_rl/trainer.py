@@ -70,7 +70,8 @@ from spmd_rl.profiling import format_stage_times, profiled, stage_times
 from spmd_rl.reward import overlong_penalty
 from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout_from_config
-from spmd_rl.step import InFlight, Placement, StageTimer, rollout_seed
+from spmd_rl.rollout.pool_stream import issue_stream, take_groups
+from spmd_rl.step import GroupsInFlight, InFlight, Placement, StageTimer, rollout_seed
 
 log = logging.getLogger("spmd_rl")
 
@@ -109,7 +110,8 @@ class Trainer:
         # Old log-probs: needed for several optimizer steps per batch, by the IS correction (the trainer's
         # own log-probs of the sampling policy), off-policy (the proximal policy of decoupled PPO), and by
         # PPO's KL reward (the actor's before the update).
-        self.staleness, self.in_flight = cfg.trainer.max_staleness, InFlight()
+        self.staleness, self.stream = cfg.trainer.max_staleness, cfg.rollout.stream
+        self.in_flight = GroupsInFlight() if self.stream else InFlight()
         if self.link is not None:  # the bounded queue between the pools: S + 1 training rounds and a validation one
             self.link.max_in_flight = self.staleness + 2
         self.need_old_logprobs = (self.updates_per_step > 1 or cfg.algo.rollout_is != "none" or self.staleness > 0
@@ -196,7 +198,10 @@ class Trainer:
         self.step = self.policy_version = self.checkpointer.resume()  # resumed weights: the rollout syncs first
         if cfg.val_every and self.step == 0:  # a resumed run validated this step before saving it
             self.sink.log(self.validate(), self.step)
-        if self.staleness:  # rounds in flight: those a checkpoint held (regenerated), then up to S + 1
+        if self.stream:  # prompts in flight: those a checkpoint held (generated again), then more
+            self.sync_weights()
+            self.fill_stream()
+        elif self.staleness:  # rounds in flight: those a checkpoint held (regenerated), then up to S + 1
             self.sync_weights()
             restored = self.in_flight.reissue()
             self.in_flight.next_step = restored[0][0] if restored else self.step + 1
@@ -214,7 +219,7 @@ class Trainer:
             with profiling as prof, timer("step"):
                 if self.staleness:  # the oldest round in flight, generated while earlier updates ran
                     with timer("wait_rollout"):
-                        batch = self.take(acc)
+                        batch = self.take_groups(acc) if self.stream else self.take(acc)
                 else:
                     with timer("weight_sync"):
                         self.sync_weights()
@@ -243,7 +248,9 @@ class Trainer:
                 if self.staleness:  # new weights to the rollout pool, once it is done with its round
                     with timer("wait_weights"):
                         self.sync_weights()
-                    if self.in_flight.next_step <= min(self.step + self.staleness + 1, cfg.total_steps):
+                    if self.stream:
+                        self.fill_stream()
+                    elif self.in_flight.next_step <= min(self.step + self.staleness + 1, cfg.total_steps):
                         self.issue(self.in_flight.next_step)
             last = self.finish_step(batch, acc, timer)
             if prof is not None and self.env.is_main:
@@ -301,7 +308,50 @@ class Trainer:
         step, indices = self.in_flight.pop()
         assert step == self.step, (step, self.step)
         rows, out = self.link.take()
-        batch = self.to_batch(indices, rows, out, acc)
+        batch = self.staleness_of(self.to_batch(indices, rows, out, acc), out, acc)
+        acc.add_max("async/queue_depth", float(self.link.in_flight))
+        acc.add_max("async/rollout_busy_s", out["gen_seconds"].max().item() if len(out["gen_seconds"]) else 0.0)
+        return batch
+
+    def fill_stream(self) -> None:
+        """``rollout.stream``: issue prompts (rounds of ``data.train_batch_size``, those a checkpoint held
+        first) until (S + 1) x ``data.train_batch_size`` are in flight, or what the remaining steps need."""
+        size = self.cfg.data.train_batch_size
+        for round_, indices in self.in_flight.reissue():
+            self.issue_round(round_, indices)
+        need = (self.cfg.trainer.total_steps - self.step) * size
+        while self.in_flight.outstanding + size <= (self.staleness + 1) * size and self.in_flight.outstanding < need:
+            self.issue_round(self.in_flight.next_round)
+
+    def issue_round(self, round_: int, indices: list[int] | None = None) -> None:
+        indices = self.draw() if indices is None else indices
+        self.in_flight.add(round_, indices)
+        issue_stream(self.link, [self.train_ids[i] for i in indices] if self.env.is_main else None,
+                     self.sampling(round_), round_=round_, num_prompts=len(indices), pad_token_id=self.pad_id)
+
+    def _reissue(self, keys: list[tuple[int, int]]) -> tuple[int, list[int]]:
+        """The controller, for groups dropped as too stale: their prompts again, as a new round."""
+        indices = [self.in_flight.sample(*key) for key in keys]
+        round_ = self.in_flight.reserve()
+        issue_stream(self.link, [self.train_ids[i] for i in indices], self.sampling(round_), round_=round_,
+                     num_prompts=len(indices), pad_token_id=self.pad_id)
+        return round_, indices
+
+    def take_groups(self, acc: MetricAccumulator) -> RolloutBatch:
+        """``rollout.stream``: the next ``data.train_batch_size`` complete groups, with their staleness."""
+        taken = take_groups(self.link, count=self.cfg.data.train_batch_size, policy_version=self.policy_version,
+                            max_staleness=self.staleness, actor_group=self.group, reissue=self._reissue)
+        indices = [self.in_flight.sample(*key) for key in taken.groups]
+        self.in_flight.consume(taken.groups + taken.dropped)
+        for round_, again in taken.reissued:
+            self.in_flight.add(round_, again)
+        batch = self.staleness_of(self.to_batch(indices, taken.rows, taken.tensors, acc), taken.tensors, acc)
+        acc.add_max("async/queue_depth", float(taken.queue_depth))
+        acc.add_max("async/dropped_groups", float(len(taken.dropped)))
+        return batch
+
+    def staleness_of(self, batch: RolloutBatch, out: dict, acc: MetricAccumulator) -> RolloutBatch:
+        """Per-token staleness (policy versions behind the weights this step updates) and its metrics."""
         mask = batch["response_mask"].bool()
         stale = (self.policy_version - out["versions"][mask]).float()
         if stale.numel():
@@ -314,8 +364,6 @@ class Trainer:
         first = out["versions"].masked_fill(~mask, 1 << 62).min(1).values
         for spans in (versions.max(1).values > first).tolist():  # rollout.partial: a row continued under newer weights
             acc.add("async/partial_frac", float(spans))
-        acc.add_max("async/queue_depth", float(self.link.in_flight))
-        acc.add_max("async/rollout_busy_s", out["gen_seconds"].max().item() if len(out["gen_seconds"]) else 0.0)
         return batch
 
     def to_batch(self, indices: list[int], rows: tuple[int, int], out: dict, acc: MetricAccumulator, *,

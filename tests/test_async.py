@@ -111,3 +111,38 @@ def test_partial_rollouts_continue_under_new_weights(tmp_path):
     mixed = [m for m in steps if m["async/partial_frac"] > 0 and 0 < m["async/staleness/mean"] < 1]
     assert mixed, [(m["async/partial_frac"], m["async/staleness/mean"]) for m in steps]
     assert all(m["response_length/max"] <= 16 and m["response_length/min"] >= 4 for m in steps)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["drain", "partial"])
+def test_streamed_groups_keep_staleness_bounded_end_to_end(tmp_path, partial: bool):
+    """``rollout.stream`` with S = 1 on 2 actor + 2 rollout ranks (the controller takes groups from
+    both rollout ranks and hands the other actor rank its rows), response lengths drawn per row (a
+    long tail): every step trains on complete groups none more than S versions old, the queue stays
+    within (S + 1) x train_batch_size groups, validation drains the stream and runs between steps;
+    with ``rollout.partial`` the weights reach the rollout mid-stream (the other path of its server).
+    Which groups a step takes depends on timing: tests/test_stream_groups.py checks that order."""
+    out = str(tmp_path / "run")
+    run_ok(out, "--pools.rollout-ranks", "2", "--algo.rollout-is", "token_truncated", "--trainer.max-staleness", "1",
+           "--rollout.stream", "--rollout.token-delay-s", "0.05", "--rollout.max-new-tokens", "16",
+           "--rollout.ignore-eos", "--rollout.length-dist", "lognormal", "--rollout.min-new-tokens", "2",
+           "--trainer.total-steps", "4", "--trainer.val-every", "2",
+           *(["--rollout.partial", "--rollout.partial-chunk", "2"] if partial else ["--checkpoint.every", "2", "--checkpoint.keep", "2"]),
+           nproc=4)
+    metrics = read_metrics(out)
+    assert sum("val/accuracy" in m for m in metrics) == 3  # steps 0, 2 and 4
+    steps = [m for m in metrics if "async/staleness/max" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert steps[0]["async/staleness/max"] == 0  # the first weights
+    for m in steps:
+        assert m["async/staleness/max"] <= 1, m
+        assert m["async/queue_depth"] <= 2 * 8, m  # at most (S + 1) x train_batch_size groups in flight
+        assert m.get("async/logprob_abs_diff_fresh", 0.0) < 1e-4, m  # fresh tokens: only fp32 noise
+        assert sum(m[f"async/tokens_staleness_{k}"] for k in range(2)) == pytest.approx(m["response_length/mean"] * 64)
+    if not partial:  # the checkpoint of step 2 holds the prompts in flight; a resumed run generates them again
+        resumed = str(tmp_path / "resumed")
+        run_ok(resumed, "--pools.rollout-ranks", "1", "--algo.rollout-is", "token_truncated", "--trainer.max-staleness",
+               "1", "--rollout.stream", "--trainer.total-steps", "4", "--trainer.val-every", "0",
+               "--checkpoint.resume", str(tmp_path / "run" / "checkpoints" / "step_2"), nproc=2)
+        again = [m for m in read_metrics(resumed) if "async/staleness/max" in m]
+        assert [m["step"] for m in again] == [3, 4]
+        assert again[0]["async/staleness/max"] == 0  # generated from the resumed weights (version 2)

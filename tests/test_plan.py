@@ -85,6 +85,10 @@ RULES = [
      "trainer.max_staleness=0): set --pools.rollout-ranks N (N > 0) and --trainer.max-staleness S (S > 0), or drop "
      "--rollout.partial"),
     (["--rollout.partial", "--pools.rollout-ranks", "1"], 2, "(pools.rollout_ranks=1, trainer.max_staleness=0)"),
+    (["--rollout.stream", "--pools.rollout-ranks", "1"], 2, "rollout.stream sends groups from a rollout pool while "
+     "the actor trains on earlier ones, which needs a rollout pool and prompts in flight (pools.rollout_ranks=1, "
+     "trainer.max_staleness=0): set --pools.rollout-ranks N (N > 0) and --trainer.max-staleness S (S > 0), or drop "
+     "--rollout.stream"),
     (["--rollout.backend", "vllm", "--rollout.length-dist", "lognormal", "--rollout.token-delay-s", "0.1"], 1,
      "rollout.length_dist and rollout.token_delay_s shape the built-in rollout's workload: use --rollout.backend "
      "native, or leave them unset with vllm"),
@@ -163,3 +167,14 @@ def test_partial_rollouts_need_a_backend_that_continues_responses() -> None:
     with pytest.raises(ValueError, match=re.escape("rollout.backend=native does not: use --rollout.backend native")):
         _check_partial(cfg, rollout_pool=True, backend_partial=False)
     _check_partial(cfg, rollout_pool=True, backend_partial=True)
+
+
+def test_streamed_groups_need_a_backend_that_streams() -> None:
+    """vLLM's engine is driven by whole requests here: only the built-in rollout streams rows."""
+    from spmd_rl.distributed.plan import _check_stream
+
+    cfg = load_config(["--rollout.stream", "--pools.rollout-ranks", "1", "--trainer.max-staleness", "1"])
+    with pytest.raises(ValueError, match=re.escape("rollout.backend=native does not: use --rollout.backend native")):
+        _check_stream(cfg, rollout_pool=True, backend_stream=False)
+    _check_stream(cfg, rollout_pool=True, backend_stream=True)
+    assert plan(cfg, 2).rollout_pool.name == "rollout"

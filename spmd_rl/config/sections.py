@@ -132,6 +132,13 @@ class RolloutConfig:
     version that sampled it. Off: new weights wait until the round being generated is done."""
     partial_chunk: int = 32
     """`rollout.partial`: decode steps between two looks for new weights (one store read each)."""
+    stream: bool = False
+    """Stream groups (a rollout pool with `trainer.max_staleness` > 0, built-in rollout): the rollout
+    pool generates every issued prompt in one continuous batch and sends each group (a prompt's
+    `rollout.n` responses) to the actor pool as soon as it is complete; a step trains on the next
+    `data.train_batch_size` complete groups, so a slow group no longer holds up the others. Groups
+    more than S versions old when taken are dropped and their prompts generated again. Off: a step
+    trains on whole rounds, generated in order."""
     length_dist: Literal["model", "lognormal", "uniform"] = "model"
     """Benchmarks and tests: stop each response at a length drawn from this distribution between
     `rollout.min_new_tokens` and `rollout.max_new_tokens` (with `rollout.ignore_eos`, exactly that

@@ -206,6 +206,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
             warnings.append(f"trainer.max_staleness={cfg.trainer.max_staleness} trains on samples of an older policy "
                             f"with no importance correction: consider --algo.rollout-is token_truncated")
     _check_partial(cfg, rollout_pool=ROLLOUT in by_name, backend_partial=backend.partial)
+    _check_stream(cfg, rollout_pool=ROLLOUT in by_name, backend_stream=backend.stream)
     fractions = _memory_fractions(cfg, specs, world_size, nproc_per_node)
     if cfg.actor.lora.enabled and not engine.lora:
         supported = sorted(name for name, spec in ENGINES.items() if spec.lora)
@@ -359,6 +360,23 @@ def _check_partial(cfg: Config, *, rollout_pool: bool, backend_partial: bool) ->
         raise ValueError(f"rollout.partial needs a rollout backend that continues responses under new weights; "
                          f"rollout.backend={cfg.rollout.backend} does not: use --rollout.backend native, or drop "
                          f"--rollout.partial")
+
+
+def _check_stream(cfg: Config, *, rollout_pool: bool, backend_stream: bool) -> None:
+    """``rollout.stream`` sends groups from a rollout pool while the actor trains: a rollout pool,
+    prompts in flight (max staleness > 0), and a backend that streams."""
+    if not cfg.rollout.stream:
+        return
+    if not rollout_pool or cfg.trainer.max_staleness == 0:
+        raise ValueError(
+            f"rollout.stream sends groups from a rollout pool while the actor trains on earlier ones, which needs "
+            f"a rollout pool and prompts in flight (pools.rollout_ranks={cfg.pools.rollout_ranks}, "
+            f"trainer.max_staleness={cfg.trainer.max_staleness}): set --pools.rollout-ranks N (N > 0) and "
+            f"--trainer.max-staleness S (S > 0), or drop --rollout.stream")
+    if not backend_stream:
+        raise ValueError(f"rollout.stream needs a rollout backend that hands back each response as it finishes; "
+                         f"rollout.backend={cfg.rollout.backend} does not: use --rollout.backend native, or drop "
+                         f"--rollout.stream")
 
 
 def _memory_fractions(cfg: Config, specs: list[PoolSpec], world_size: int,

@@ -97,10 +97,13 @@ class BackendSpec:
     """Rules of the ``rollout`` section that only this backend has."""
     partial: bool = False
     """Its ``generate`` takes a ``swap`` callback (``rollout.partial``: responses continued under new weights)."""
+    stream: bool = False
+    """It has ``stream(feed=, done=, ...)`` (``rollout.stream``: rows fed and handed back one by one)."""
 
 
 BACKENDS: dict[str, BackendSpec] = {
-    "native": BackendSpec(factory=_native, options=_native_options, model_parallel=False, partial=True),
+    "native": BackendSpec(factory=_native, options=_native_options, model_parallel=False, partial=True,
+                          stream=True),
     "vllm": BackendSpec(factory=_vllm, options=_vllm_options, model_parallel=True,
                         pool_groups=_vllm_pool_groups, check=_vllm_check),
 }

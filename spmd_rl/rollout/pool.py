@@ -59,6 +59,9 @@ CONTROLLER = 0
 """Global rank of the controller: the actor pool's first rank."""
 WEIGHTS_KEY = "spmd_rl/rollout/weights_sent"
 """c10d store counter: weight transfers the controller has announced to the rollout pool."""
+COMMANDS_KEY = "spmd_rl/rollout/commands_sent"
+"""c10d store counter: commands the controller has sent to the rollout pool (a streaming rollout
+rank looks at it between decode steps: a look that never blocks)."""
 
 
 def _store():
@@ -163,6 +166,7 @@ class RolloutLink:
         self.rounds: list[Round] = []  # the queue between the pools, oldest first
         self.max_in_flight: int | None = None  # its bound (the trainer's: S + 1 training rounds + a validation one)
         self._pending: list = []  # sends not completed yet, with their buffers
+        self.groups_received = 0  # rollout.stream: groups the controller took (spmd_rl.rollout.pool_stream)
 
     @property
     def rollout_ranks(self) -> list[int]:
@@ -176,6 +180,7 @@ class RolloutLink:
     def _command(self, *message: Any) -> None:
         if self.rank == CONTROLLER:
             self._pending = settle(self._pending)
+            _store().add(COMMANDS_KEY, 1)
             for r in self.rollout_ranks:
                 self._pending += isend_object(message, r)
 
@@ -244,6 +249,7 @@ class RolloutLink:
     def close(self, error: str | None = None) -> None:
         """The controller tells every rollout rank to stop, or to abort with ``error``."""
         if not self._closed and self.rank == CONTROLLER:
+            _store().add(COMMANDS_KEY, 1)
             tell_servers(self.rollout_ranks, error, timeout_s=self.close_timeout_s, role="rollout")
         self._closed = True
 
@@ -363,4 +369,4 @@ def serve_rollout_pool(*, engine: Any, link: RolloutLink, replica: int, sleep_le
                          partial_chunk=partial_chunk).serve()
 
 
-__all__ = ["CONTROLLER", "Round", "RolloutLink", "RolloutRoutes", "RolloutServer", "routes_of", "serve_rollout_pool"]
+__all__ = ["COMMANDS_KEY", "CONTROLLER", "Round", "RolloutLink", "RolloutRoutes", "RolloutServer", "routes_of", "serve_rollout_pool"]

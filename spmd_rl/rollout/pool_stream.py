@@ -1,0 +1,346 @@
+"""Groups streamed from the rollout pool to the actor pool (``rollout.stream``, asynchronous GRPO).
+
+    # actor-pool ranks (the trainer)
+    issue_stream(link, prompts, sampling, round_=r, num_prompts=B, pad_token_id=pad)   # the controller sends
+    taken = take_groups(link, count=B, policy_version=v, max_staleness=S, actor_group=g,
+                        reissue=fn)                 # every actor rank: the next B complete groups
+    # rollout-pool ranks
+    StreamServer(link=link, engine=engine, ...).serve()
+
+Without it, a round's rows travel when the whole round is generated and step t trains on round t.
+With it, the rollout ranks generate every round's prompts in one stream (:meth:`NativeRollout.stream`:
+a finished row's slot takes the next prompt's row, whichever round it belongs to) and send each
+GROUP (the ``n`` responses of one prompt) to the controller (global rank 0) the moment its last
+response ends. The controller receives groups in the order they complete, from whichever rollout
+rank sends first (a tagged receive from any source), and a step trains on the next
+``data.train_batch_size`` complete groups: a slow group no longer holds up the groups behind it.
+
+* **Bounded.** The trainer keeps at most (S + 1) x ``data.train_batch_size`` prompts issued and not
+  trained on (``S = trainer.max_staleness``); ``async/queue_depth`` is the number of groups that
+  were complete and waiting when the step took its own (a c10d store counter of groups sent, minus
+  those received).
+* **Staleness.** A group whose oldest token is more than S policy versions behind the weights the
+  step updates is dropped when it is taken and its prompt issued again (``async/dropped_groups``),
+  so no update uses a sample more than S versions old (``async/staleness/max`` <= S).
+* **Order.** The groups a step takes are laid out sorted by (round, position), so the same set of
+  groups gives the same batch whatever order it completed in; which groups complete first depends
+  on timing, so a streamed run with S > 0 is not reproducible sample for sample.
+* **Weights.** Without ``rollout.partial`` the rollout stops feeding new rows when weights are
+  announced, lets the live rows finish, loads them and goes on (a drain); with it, the live rows
+  continue under the new weights at the next look (every ``rollout.partial_chunk`` decode steps).
+  Validation rounds and ``stop`` drain the stream the same way.
+* **Messages.** A group is a header ``[status, round, position, n, width, error bytes]`` and two
+  tensors: int64 ``[n, 2 x width + 2]`` (token ids, their policy versions, length, truncated) and
+  float32 ``[n, width]`` (log-probs), all on the stream's tag. A rollout rank that fails sends
+  status 1 and its message; every actor rank raises it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.distributed.bridge import RowRoute, pack_prompts, recv_rows, send_rows, settle
+from spmd_rl.distributed.comm import RemoteFailure, broadcast_object, recv_object
+
+from .pool import COMMANDS_KEY, CONTROLLER, WEIGHTS_KEY, RolloutLink, RolloutServer, _spec, _store
+
+log = logging.getLogger("spmd_rl")
+
+STREAM_TAG = 7
+"""Point-to-point tag of streamed groups (apart from the rounds' rows, which use the default tag)."""
+STREAMED_KEY = "spmd_rl/rollout/groups_sent"
+"""c10d store counter: groups the rollout pool sent to the controller."""
+_HEADER = 6
+
+
+@dataclass
+class Group:
+    """One prompt's ``n`` responses, as the controller received them."""
+
+    round: int
+    position: int
+    ids: torch.Tensor  # [n, width]
+    versions: torch.Tensor  # [n, width], -1 past each response
+    lengths: torch.Tensor  # [n]
+    truncated: torch.Tensor  # [n]
+    logprobs: torch.Tensor  # [n, width]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.round, self.position
+
+    @property
+    def oldest(self) -> int:
+        """The policy version of its oldest token."""
+        valid = self.versions[self.versions >= 0]
+        return int(valid.min()) if valid.numel() else 1 << 62
+
+
+@dataclass
+class Taken:
+    """What a step took, the same on every actor rank."""
+
+    groups: list[tuple[int, int]]  # (round, position), sorted: the step's prompt order
+    dropped: list[tuple[int, int]]  # too stale: their prompts were issued again
+    reissued: list[tuple[int, list[Any]]]  # (round, what the trainer's reissue returned for it)
+    queue_depth: int
+    rows: tuple[int, int]  # this rank's [start, end) of the step's rows
+    tensors: dict[str, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------- actor side
+
+def issue_stream(link: RolloutLink, prompts: list[list[int]] | None, sampling: dict[str, Any], *, round_: int,
+                 num_prompts: int, pad_token_id: int) -> None:
+    """Add ``num_prompts`` prompts (on the controller; None elsewhere) to the rollout pool's stream,
+    a ceil-sized share per rollout replica. Not collective: only the controller sends."""
+    if link.rank != CONTROLLER:
+        return
+    link._command("stream", {"round": round_, "num_prompts": num_prompts, "pad_token_id": pad_token_id, **sampling})
+    route = RowRoute(sources={CONTROLLER: (0, num_prompts)}, dests=link.routes.prompt_ranges(num_prompts, even=False))
+    link._pending += send_rows(route, pack_prompts(prompts), first_row=0, wait=False)
+
+
+def take_groups(link: RolloutLink, *, count: int, policy_version: int, max_staleness: int,
+                actor_group: dist.ProcessGroup | None,
+                reissue: Callable[[list[tuple[int, int]]], tuple[int, list[Any]]]) -> Taken:
+    """Every actor rank: the next ``count`` complete groups, this rank's rows of them in the actor
+    layout. On the controller, ``reissue(keys)`` issues the prompts of dropped groups again and
+    returns ``(round, record)``; the other ranks get the record in :attr:`Taken.reissued`."""
+    spec = _spec(0)
+    meta: dict[str, Any] = {}
+    if link.rank == CONTROLLER:
+        fresh: list[Group] = []
+        dropped, reissued = [], []
+        waiting = int(_store().add(STREAMED_KEY, 0)) - link.groups_received
+        try:
+            while len(fresh) < count:
+                g = _recv_group(link)
+                if policy_version - g.oldest > max_staleness:
+                    dropped.append(g.key)
+                    reissued.append(reissue([g.key]))
+                else:
+                    fresh.append(g)
+        except RemoteFailure as e:  # every actor rank raises it, not the controller alone
+            meta = {"error": (e.rank, e.message)}
+    if link.rank == CONTROLLER and not meta:
+        fresh.sort(key=lambda g: g.key)
+        n = fresh[0].ids.shape[0]
+        width = max(g.ids.shape[1] for g in fresh)
+
+        def cat(name: str, pad: float) -> torch.Tensor:
+            parts = [getattr(g, name) for g in fresh]
+            if parts[0].dim() > 1:
+                parts = [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in parts]
+            return torch.cat(parts)
+
+        ids, versions = cat("ids", 0), cat("versions", -1)
+        lengths = cat("lengths", 0)
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+        tensors = {"response_ids": ids, "response_mask": mask, "logprobs": cat("logprobs", 0.0),
+                   "truncated": cat("truncated", 0), "versions": versions,
+                   "gen_seconds": torch.zeros(len(ids))}
+        meta = {"groups": [g.key for g in fresh], "dropped": dropped, "reissued": reissued,
+                "queue_depth": max(waiting, 0), "n": n}
+    meta = broadcast_object(meta if link.rank == CONTROLLER else None, src=CONTROLLER, group=actor_group)
+    if "error" in meta:
+        raise RemoteFailure(*meta["error"])
+    rows = meta["n"] * len(meta["groups"])
+    dests = link.routes.actor_ranges(rows, by_dp=True)
+    others = {r: span for r, span in dests.items() if r != CONTROLLER}
+    route = RowRoute(sources={CONTROLLER: (0, rows)}, dests=others)
+    if link.rank == CONTROLLER:
+        send_rows(route, tensors, first_row=0)
+        a, b = dests[CONTROLLER]
+        mine = {k: v[a:b] for k, v in tensors.items()}
+    else:
+        mine = recv_rows(route, spec)
+    return Taken(groups=[tuple(k) for k in meta["groups"]], dropped=[tuple(k) for k in meta["dropped"]],
+                 reissued=meta["reissued"], queue_depth=meta["queue_depth"], rows=dests[link.rank], tensors=mine)
+
+
+def _recv_group(link: RolloutLink) -> Group:
+    header = torch.zeros(_HEADER, dtype=torch.long)
+    src = dist.recv(header, src=None, tag=STREAM_TAG)
+    status, round_, position, n, width, nbytes = header.tolist()
+    if status != 0:
+        message = torch.empty(nbytes, dtype=torch.uint8)
+        dist.recv(message, src=src, tag=STREAM_TAG)
+        raise RemoteFailure(src, bytes(message.tolist()).decode(errors="replace"))
+    packed = torch.empty(n, 2 * width + 2, dtype=torch.long)
+    logprobs = torch.empty(n, width, dtype=torch.float32)
+    dist.recv(packed, src=src, tag=STREAM_TAG)
+    dist.recv(logprobs, src=src, tag=STREAM_TAG)
+    link.groups_received += 1
+    return Group(round_, position, packed[:, :width], packed[:, width:2 * width], packed[:, -2], packed[:, -1],
+                 logprobs)
+
+
+# ---------------------------------------------------------------------------------------- rollout side
+
+class StreamServer(RolloutServer):
+    """A rollout rank's loop with ``rollout.stream``: ``stream`` commands feed one continuous
+    generation; other commands wait for it to drain (weights too, unless ``partial``)."""
+
+    def __init__(self, *, max_prompt_length: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.max_prompt_length = max_prompt_length
+        self.commands_taken = 0
+        self.waiting: list[tuple[tuple[int, int, int], list[int]]] = []  # rows not started: ((round, pos, j), ids)
+        self.open: dict[tuple[int, int], list] = {}  # groups with responses still going: their finished rows
+        self.sampling: dict[str, Any] | None = None  # the newest stream command's settings
+        self.held: int | None = None  # rollout.partial: a weights command received, loaded at the next look
+        self.streams = 0
+
+    def serve(self) -> int:
+        try:
+            while True:
+                if self.held is not None:  # rollout.partial: weights the stream ended before loading
+                    version, self.held = self.held, None
+                    self._load_weights(version)
+                if not self.queued and self.waiting and self.error is None:  # rows a drain left: go on
+                    self._stream()
+                    continue
+                if self.queued:
+                    kind, payload, prompts = self.queued.pop(0)
+                else:
+                    kind, payload = recv_object(CONTROLLER)[1]
+                    self.commands_taken += 1
+                    prompts = None
+                if kind == "stop":
+                    return 1 if self.error else 0
+                if kind == "abort":
+                    log.error("%s: stopping, the trainer failed: %s", self.where, payload)
+                    return 1
+                if kind == "weights":
+                    self._load_weights(payload)
+                elif kind == "generate":  # a validation round
+                    self._generate(payload, prompts)
+                elif kind == "stream":
+                    self._add(payload, self._prompts_of(payload))
+                    self._stream()
+                else:
+                    raise RuntimeError(f"{self.where}: unknown command {kind!r} from the controller")
+        finally:
+            self.pending = settle(self.pending)
+
+    def _prompts_of(self, p: dict[str, Any]) -> list[list[int]]:
+        from spmd_rl.distributed.bridge import PROMPT_SPEC, unpack_prompts
+
+        ranges = self.link.routes.prompt_ranges(p["num_prompts"], even=False)
+        return unpack_prompts(recv_rows(RowRoute(sources={CONTROLLER: (0, p["num_prompts"])}, dests=ranges),
+                                        PROMPT_SPEC))
+
+    def _add(self, p: dict[str, Any], prompts: list[list[int]]) -> None:
+        """Queue a stream command's prompts (this replica's share) as rows."""
+        first = self.link.routes.prompt_ranges(p["num_prompts"], even=False)[self.link.rank][0]
+        self.sampling = p
+        for i, ids in enumerate(prompts):
+            for j in range(p["n"]):
+                self.waiting.append(((p["round"], first + i, j), ids))
+
+    def _take(self, kind: str, payload: Any) -> None:
+        """A command received during the stream: prompts join it, anything else waits for it to end."""
+        if kind == "stream":
+            self._add(payload, self._prompts_of(payload))
+        elif kind == "weights" and self.partial:
+            self.held = payload
+        else:
+            self.queued.append((kind, payload, self._prompts(payload) if kind == "generate" else None))
+
+    def _poll(self) -> None:
+        """Receive the commands the controller announced (never blocks)."""
+        while int(_store().add(COMMANDS_KEY, 0)) > self.commands_taken:
+            kind, payload = recv_object(CONTROLLER)[1]
+            self.commands_taken += 1
+            self._take(kind, payload)
+            if kind == "weights" or self.queued:
+                return  # the weights' tensors follow their command: loaded by swap() or after the drain
+
+    def swap(self) -> bool:
+        if self.held is not None:
+            version, self.held = self.held, None
+            self._load_weights(version)
+            self.versions.append(self.version)
+            return True
+        if int(_store().add(WEIGHTS_KEY, 0)) <= self.weights_taken:
+            return False
+        while True:
+            kind, payload = recv_object(CONTROLLER)[1]
+            self.commands_taken += 1
+            if kind == "weights":
+                self._load_weights(payload)
+                self.versions.append(self.version)
+                return True
+            self._take(kind, payload)
+
+    def _feed(self, k: int) -> list[tuple[tuple[int, int, int], list[int]]]:
+        if not self.queued:
+            self._poll()
+        if self.queued or self.error:  # a command waits for the stream to drain
+            return []
+        out, self.waiting = self.waiting[:k], self.waiting[k:]
+        for key, _ in out:
+            self.open.setdefault(key[:2], [])
+        return out
+
+    def _done(self, key: tuple[int, int, int], tokens: torch.Tensor, logprobs: torch.Tensor, swaps: torch.Tensor,
+              truncated: bool) -> None:
+        rows = self.open[key[:2]]
+        rows.append((key[2], tokens, logprobs, torch.tensor(self.versions)[swaps], truncated))
+        if len(rows) == self.sampling["n"]:
+            del self.open[key[:2]]
+            self._send_group(key[0], key[1], sorted(rows, key=lambda r: r[0]))
+
+    def _send_group(self, round_: int, position: int, rows: list) -> None:
+        n, width = len(rows), max(max(len(r[1]) for r in rows), 1)
+        packed = torch.zeros(n, 2 * width + 2, dtype=torch.long)
+        packed[:, width:2 * width] = -1
+        logprobs = torch.zeros(n, width)
+        for i, (_, tokens, lp, versions, truncated) in enumerate(rows):
+            k = len(tokens)
+            packed[i, :k], packed[i, width:width + k], logprobs[i, :k] = tokens, versions, lp
+            packed[i, -2], packed[i, -1] = k, int(truncated)
+        header = torch.tensor([0, round_, position, n, width, 0])
+        self.pending = settle(self.pending) + [(dist.isend(t, dst=CONTROLLER, tag=STREAM_TAG), t)
+                                               for t in (header, packed, logprobs)]
+        _store().add(STREAMED_KEY, 1)
+
+    def _send_error(self, message: str) -> None:
+        data = torch.tensor(list(message.encode()), dtype=torch.uint8)
+        header = torch.tensor([1, 0, 0, 0, 0, len(data)])
+        self.pending = settle(self.pending) + [(dist.isend(t, dst=CONTROLLER, tag=STREAM_TAG), t) for t in (header, data)]
+
+    def _stream(self) -> None:
+        """Generate until the waiting rows are done and a command other than ``stream`` waits (or none)."""
+        p = self.sampling
+        if self.error is not None:
+            self._send_error(self.error)
+            self.waiting, self.open = [], {}
+            return
+        self.streams += 1
+        try:
+            self.engine.wake_up()
+            self.versions = [self.version]
+            swap = {"swap": self.swap, "swap_every": self.partial_chunk} if self.partial else {}
+            start = time.perf_counter()
+            self.engine.stream(feed=self._feed, done=self._done, temperature=p["temperature"], top_p=p["top_p"],
+                               top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
+                               max_prompt_length=self.max_prompt_length,
+                               seed=p["seed"] + self.replica + 104_729 * self.streams, **swap)
+            self.busy_s = time.perf_counter() - start
+        except Exception as e:  # noqa: BLE001 - the actor ranks raise it
+            self.error = f"{self.where}: generation failed: {type(e).__name__}: {e}"
+            log.exception("%s: generation failed", self.where)
+        if self.error is not None:
+            self._send_error(self.error)
+            self.waiting, self.open = [], {}
+
+
+__all__ = ["STREAMED_KEY", "STREAM_TAG", "StreamServer", "Taken", "issue_stream", "take_groups"]

@@ -1,0 +1,78 @@
+"""The controller's side of ``rollout.stream`` (spmd_rl/rollout/pool_stream.py), in process on 3 gloo
+ranks: 2 actor ranks and 1 rollout rank that sends groups in a chosen completion order.
+
+The step takes the first ``count`` complete groups in the order they arrived, drops one more than S
+versions old (its prompt is issued again through the trainer's callback, on the controller only,
+and every actor rank learns of it), lays the taken groups out sorted by (round, position), and each
+actor rank receives exactly its data-parallel share of their rows. A failure on the rollout rank
+reaches every actor rank, not the controller alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from spmd_rl.distributed.bridge import settle
+from spmd_rl.distributed.comm import RemoteFailure
+from spmd_rl.distributed.dims import RolloutLayout
+from spmd_rl.distributed.pools import PoolSpec
+from spmd_rl.distributed.testing import run_distributed
+from spmd_rl.rollout.pool import RolloutLink, RolloutRoutes
+from spmd_rl.rollout.pool_stream import StreamServer, take_groups
+
+N = 2
+# (round, position, policy version of its tokens), in completion order; (1, 3) is 2 versions behind
+SENT = [(2, 0, 1), (1, 3, 0), (1, 1, 1), (2, 1, 2), (1, 0, 1), (2, 2, 2)]
+
+
+def tokens_of(round_: int, position: int, j: int) -> torch.Tensor:
+    return torch.arange(3 + j) + 100 * round_ + 10 * position
+
+
+def body(rank: int, world_size: int) -> dict:
+    routes = RolloutRoutes(rollout=RolloutLayout(1, pool="rollout"), rollout_pool=PoolSpec("rollout", 2, 1),
+                           actor_pool=PoolSpec("global", 0, 2), actor_dp=(0, 1))
+    link = RolloutLink(routes=routes, bridge=None)
+    actors = dist.new_group([0, 1])
+    if rank == 2:
+        server = StreamServer(link=link, engine=None, replica=0, sleep_level=0, max_prompt_length=8)
+        server.sampling, server.versions = {"n": N}, [0, 1, 2]
+        for round_, position, version in SENT:
+            rows = [(j, tokens_of(round_, position, j), -torch.rand(3 + j), torch.full((3 + j,), version), j == 0)
+                    for j in range(N)]
+            server._send_group(round_, position, rows)
+        server._send_error("rollout rank 2: generation failed: boom")
+        settle(server.pending, block=True)
+        return {}
+    reissued = []
+
+    def reissue(keys):
+        reissued.append(keys)
+        return 9, [f"prompt of {keys[0]}"]
+
+    taken = take_groups(link, count=4, policy_version=2, max_staleness=1, actor_group=actors, reissue=reissue)
+    try:
+        take_groups(link, count=2, policy_version=2, max_staleness=1, actor_group=actors, reissue=reissue)
+        error = None
+    except RemoteFailure as e:
+        error = str(e)
+    return {"taken": taken, "reissue_calls": reissued, "error": error}
+
+
+def test_controller_takes_the_first_complete_groups_drops_stale_ones_and_lays_them_out() -> None:
+    results = run_distributed(body, 3)
+    for rank in (0, 1):
+        t = results[rank]["taken"]
+        assert t.groups == [(1, 0), (1, 1), (2, 0), (2, 1)]  # the first 4 fresh to arrive, sorted
+        assert t.dropped == [(1, 3)] and t.reissued == [(9, ["prompt of (1, 3)"])]
+        assert t.rows == ((0, 4) if rank == 0 else (4, 8))  # its data-parallel share of 4 groups x 2
+        lengths = t.tensors["response_mask"].sum(1).long().tolist()
+        for i, row in enumerate(range(*t.rows)):
+            round_, position = t.groups[row // N]
+            expected = tokens_of(round_, position, row % N)
+            assert lengths[i] == len(expected)
+            assert torch.equal(t.tensors["response_ids"][i, :lengths[i]], expected)
+            assert bool(t.tensors["truncated"][i]) == (row % N == 0)
+        assert results[rank]["error"] == "rank 2: rollout rank 2: generation failed: boom"
+    assert results[0]["reissue_calls"] == [[(1, 3)]] and results[1]["reissue_calls"] == []  # the controller's only
