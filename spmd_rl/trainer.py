@@ -348,6 +348,7 @@ class Trainer:
         batch = self.staleness_of(self.to_batch(indices, taken.rows, taken.tensors, acc), taken.tensors, acc)
         acc.add_max("async/queue_depth", float(taken.queue_depth))
         acc.add_max("async/dropped_groups", float(len(taken.dropped)))
+        acc.add_max("async/rollout_busy_s", taken.rollout_busy_s)
         return batch
 
     def staleness_of(self, batch: RolloutBatch, out: dict, acc: MetricAccumulator) -> RolloutBatch:

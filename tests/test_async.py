@@ -137,6 +137,7 @@ def test_streamed_groups_keep_staleness_bounded_end_to_end(tmp_path, partial: bo
         assert m["async/staleness/max"] <= 1, m
         assert m["async/queue_depth"] <= 2 * 8, m  # at most (S + 1) x train_batch_size groups in flight
         assert m.get("async/logprob_abs_diff_fresh", 0.0) < 1e-4, m  # fresh tokens: only fp32 noise
+        assert 0 <= m["async/rollout_idle_frac"] <= 1 and 0 <= m["async/actor_idle_frac"] <= 1, m
         assert sum(m[f"async/tokens_staleness_{k}"] for k in range(2)) == pytest.approx(m["response_length/mean"] * 64)
     if not partial:  # the checkpoint of step 2 holds the prompts in flight; a resumed run generates them again
         resumed = str(tmp_path / "resumed")

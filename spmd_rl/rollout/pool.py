@@ -167,6 +167,7 @@ class RolloutLink:
         self.max_in_flight: int | None = None  # its bound (the trainer's: S + 1 training rounds + a validation one)
         self._pending: list = []  # sends not completed yet, with their buffers
         self.groups_received = 0  # rollout.stream: groups the controller took (spmd_rl.rollout.pool_stream)
+        self.rollout_busy: dict[int, float] = {}  # rollout.stream: per rollout rank, its seconds generating so far
 
     @property
     def rollout_ranks(self) -> list[int]:

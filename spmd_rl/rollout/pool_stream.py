@@ -29,10 +29,12 @@ rank sends first (a tagged receive from any source), and a step trains on the ne
   announced, lets the live rows finish, loads them and goes on (a drain); with it, the live rows
   continue under the new weights at the next look (every ``rollout.partial_chunk`` decode steps).
   Validation rounds and ``stop`` drain the stream the same way.
-* **Messages.** A group is a header ``[status, round, position, n, width, error bytes]`` and two
+* **Messages.** A group is a header ``[status, round, position, n, width, microseconds the rank
+  has generated so far]`` (status 1: the length of an error message, which follows) and two
   tensors: int64 ``[n, 2 x width + 2]`` (token ids, their policy versions, length, truncated) and
   float32 ``[n, width]`` (log-probs), all on the stream's tag. A rollout rank that fails sends
-  status 1 and its message; every actor rank raises it.
+  status 1 and its message; every actor rank raises it. ``async/rollout_busy_s``: the most seconds
+  a rollout rank generated between two takes (from those counters).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class Taken:
     dropped: list[tuple[int, int]]  # too stale: their prompts were issued again
     reissued: list[tuple[int, list[Any]]]  # (round, what the trainer's reissue returned for it)
     queue_depth: int
+    rollout_busy_s: float  # the most seconds a rollout rank generated since the previous take
     rows: tuple[int, int]  # this rank's [start, end) of the step's rows
     tensors: dict[str, torch.Tensor]
 
@@ -119,6 +122,7 @@ def take_groups(link: RolloutLink, *, count: int, policy_version: int, max_stale
         fresh: list[Group] = []
         dropped, reissued = [], []
         waiting = int(_store().add(STREAMED_KEY, 0)) - link.groups_received
+        busy_before = dict(link.rollout_busy)
         try:
             while len(fresh) < count:
                 g = _recv_group(link)
@@ -146,8 +150,9 @@ def take_groups(link: RolloutLink, *, count: int, policy_version: int, max_stale
         tensors = {"response_ids": ids, "response_mask": mask, "logprobs": cat("logprobs", 0.0),
                    "truncated": cat("truncated", 0), "versions": versions,
                    "gen_seconds": torch.zeros(len(ids))}
+        busy = max((t - busy_before.get(r, 0.0) for r, t in link.rollout_busy.items()), default=0.0)
         meta = {"groups": [g.key for g in fresh], "dropped": dropped, "reissued": reissued,
-                "queue_depth": max(waiting, 0), "n": n}
+                "queue_depth": max(waiting, 0), "n": n, "rollout_busy_s": busy}
     meta = broadcast_object(meta if link.rank == CONTROLLER else None, src=CONTROLLER, group=actor_group)
     if "error" in meta:
         raise RemoteFailure(*meta["error"])
@@ -162,14 +167,16 @@ def take_groups(link: RolloutLink, *, count: int, policy_version: int, max_stale
     else:
         mine = recv_rows(route, spec)
     return Taken(groups=[tuple(k) for k in meta["groups"]], dropped=[tuple(k) for k in meta["dropped"]],
-                 reissued=meta["reissued"], queue_depth=meta["queue_depth"], rows=dests[link.rank], tensors=mine)
+                 reissued=meta["reissued"], queue_depth=meta["queue_depth"], rollout_busy_s=meta["rollout_busy_s"],
+                 rows=dests[link.rank], tensors=mine)
 
 
 def _recv_group(link: RolloutLink) -> Group:
     header = torch.zeros(_HEADER, dtype=torch.long)
     src = dist.recv(header, src=None, tag=STREAM_TAG)
-    status, round_, position, n, width, nbytes = header.tolist()
+    status, round_, position, n, width, extra = header.tolist()
     if status != 0:
+        nbytes = extra
         message = torch.empty(nbytes, dtype=torch.uint8)
         dist.recv(message, src=src, tag=STREAM_TAG)
         raise RemoteFailure(src, bytes(message.tolist()).decode(errors="replace"))
@@ -178,6 +185,7 @@ def _recv_group(link: RolloutLink) -> Group:
     dist.recv(packed, src=src, tag=STREAM_TAG)
     dist.recv(logprobs, src=src, tag=STREAM_TAG)
     link.groups_received += 1
+    link.rollout_busy[src] = extra / 1e6  # its seconds generating so far
     return Group(round_, position, packed[:, :width], packed[:, width:2 * width], packed[:, -2], packed[:, -1],
                  logprobs)
 
@@ -197,6 +205,8 @@ class StreamServer(RolloutServer):
         self.sampling: dict[str, Any] | None = None  # the newest stream command's settings
         self.held: int | None = None  # rollout.partial: a weights command received, loaded at the next look
         self.streams = 0
+        self.busy_s, self.stream_start = 0.0, 0.0  # seconds generating before this stream; its start
+        self.error_sent = False
 
     def serve(self) -> int:
         try:
@@ -204,6 +214,8 @@ class StreamServer(RolloutServer):
                 if self.held is not None:  # rollout.partial: weights the stream ended before loading
                     version, self.held = self.held, None
                     self._load_weights(version)
+                if self.error is not None:  # e.g. weights that failed to load: the controller raises it
+                    self._send_error(self.error)
                 if not self.queued and self.waiting and self.error is None:  # rows a drain left: go on
                     self._stream()
                     continue
@@ -307,12 +319,16 @@ class StreamServer(RolloutServer):
             k = len(tokens)
             packed[i, :k], packed[i, width:width + k], logprobs[i, :k] = tokens, versions, lp
             packed[i, -2], packed[i, -1] = k, int(truncated)
-        header = torch.tensor([0, round_, position, n, width, 0])
+        busy_us = round((self.busy_s + time.perf_counter() - self.stream_start) * 1e6)
+        header = torch.tensor([0, round_, position, n, width, busy_us])
         self.pending = settle(self.pending) + [(dist.isend(t, dst=CONTROLLER, tag=STREAM_TAG), t)
                                                for t in (header, packed, logprobs)]
         _store().add(STREAMED_KEY, 1)
 
     def _send_error(self, message: str) -> None:
+        if self.error_sent:
+            return
+        self.error_sent = True
         data = torch.tensor(list(message.encode()), dtype=torch.uint8)
         header = torch.tensor([1, 0, 0, 0, 0, len(data)])
         self.pending = settle(self.pending) + [(dist.isend(t, dst=CONTROLLER, tag=STREAM_TAG), t) for t in (header, data)]
@@ -329,12 +345,12 @@ class StreamServer(RolloutServer):
             self.engine.wake_up()
             self.versions = [self.version]
             swap = {"swap": self.swap, "swap_every": self.partial_chunk} if self.partial else {}
-            start = time.perf_counter()
+            self.stream_start = time.perf_counter()
             self.engine.stream(feed=self._feed, done=self._done, temperature=p["temperature"], top_p=p["top_p"],
                                top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
                                max_prompt_length=self.max_prompt_length,
                                seed=p["seed"] + self.replica + 104_729 * self.streams, **swap)
-            self.busy_s = time.perf_counter() - start
+            self.busy_s += time.perf_counter() - self.stream_start
         except Exception as e:  # noqa: BLE001 - the actor ranks raise it
             self.error = f"{self.where}: generation failed: {type(e).__name__}: {e}"
             log.exception("%s: generation failed", self.where)
