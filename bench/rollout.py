@@ -2,8 +2,9 @@
 
     python bench/rollout.py                              # GPU: the four shapes below, batch 64 and 256 (~8 min, H200)
     python bench/rollout.py --shapes qwen3-0.6b --batches 256 --mixes fixed      # a subset
+    python bench/rollout.py --shapes qwen3-0.6b --batches 256 --rows-per-slot 2 8 --attention auto sdpa
     python bench/rollout.py --shapes tiny tiny-moe --batches 4 8 --prompt-len 16 --new-tokens 16 \\
-        --longtail-min 4 --longtail-max 32 --longtail-batches 4    # CPU smoke run
+        --longtail-min 4 --longtail-max 32 --longtail-batches 4 --rows-per-slot 2 8    # CPU smoke run
 
 Shapes (random weights from transformers' config classes, bf16 on CUDA, fp32 on CPU; no download):
 Qwen3-0.6B, Qwen3-1.7B, Qwen2.5-7B, ``qwen3-moe`` (Qwen3-30B-A3B's layer, 24 of its 48 layers: 15B
@@ -18,22 +19,32 @@ Two length mixes, EOS ignored (an EOS id outside the vocabulary), sampling at T=
   decode layers and captures the CUDA graphs: "first call s"). ``generate`` gets the same prompts
   (``min_new_tokens`` forces the length) unless above ``--generate-max-batch`` rows; a call past
   ``--generate-max-time`` stops there and its tok/s counts the tokens it made (the note says so).
-* ``longtail``: ``--longtail-queue`` x ``batch`` rows on ``batch`` sequence slots (continuous batching:
-  a finished row's slot takes the next queued row), each row's length drawn log-uniform in
-  ``[--longtail-min, --longtail-max]`` (seed 0) and forced by per-row limits. Its graphs (every
-  bucket and attention span) are captured before the timed call ("capture s"). "of fixed" = its tok/s
-  over the fixed mix's at the same batch; "occupancy" = tokens / (decode steps x slots). By default
-  each shape runs it at the batch of its goal (64 for the 7B and MoE shapes, 256 for the others);
-  ``--longtail-batches`` picks others. When the cache of ``batch`` slots x (prompt + longest length)
-  does not fit, the slots halve until it does (the note says so).
+* ``longtail``: ``--rows-per-slot`` x ``batch`` rows on ``batch`` sequence slots (continuous batching:
+  a finished row's slot takes the next queued row; 8 rows per slot is a GRPO step of ``batch`` prompts
+  x n = 8), each row's length drawn log-uniform in ``[--longtail-min, --longtail-max]`` (seed 0) and
+  forced by per-row limits. Its graphs (every bucket and attention span) are captured before the timed
+  call ("capture s"). "of fixed" = its tok/s over the fixed mix's at the same batch and attention;
+  "occupancy" = tokens / (decode steps x slots). By default each shape runs it at the batch of its goal
+  (64 for the 7B and MoE shapes, 256 for the others); ``--longtail-batches`` picks others. When the
+  cache of ``batch`` slots x (prompt + longest length) does not fit, the slots halve until it does
+  (the note says so).
 
-The bandwidth ceiling is rows / (bytes a decode step must read / ``--bandwidth``): the weights a step
-uses (every linear layer, the norms, the ``lm_head``; of the routed experts the share a batch of that
-many rows is expected to hit) plus the K/V of the mean context (prompt + half the new tokens), in the
-model dtype. "graph ms" is one fixed-mix decode step alone (its CUDA graph replayed 32 times: no host
-work) and "TB/s" the bytes it reads (weights + the K/V it attends over: each row's own entries with
-flash varlen, the step's span of slots with SDPA) per second.
-``--out`` writes the rows as JSON.
+The bandwidth ceiling (:func:`ceiling_tok_s`, one model for both mixes) is tokens over the time an ideal
+decode needs to read its bytes at ``--bandwidth``: ``tokens / slots`` steps (every slot busy every
+step), each reading the weights once (every linear layer, the norms, the ``lm_head``; of the routed
+experts the share a batch of ``slots`` rows is expected to hit), plus, per generated token, the K/V of
+its context (prompt + the tokens before it), in the model dtype. For the fixed mix the mean context is
+prompt + (new tokens - 1) / 2; for the long tail it follows the lengths drawn (E[L^2] / 2E[L] past the
+prompt: long rows hold most tokens, and each of those reads a long context), so its ceiling is lower
+than the fixed mix's at the same batch, and "of fixed" cannot reach 100 % on shapes whose K/V
+dominates a step. "graph ms" is one fixed-mix decode step alone (its CUDA graph replayed 32 times: no
+host work) and "TB/s" the bytes it reads (weights + the K/V it attends over: each row's own entries
+with flash varlen or the Triton kernel, the step's span of slots with SDPA) per second.
+
+``--attention`` runs the table once per decode attention of the full-length layers: ``auto`` (what the
+rollout picks), ``varlen``, ``triton`` (each row's own entries) or ``sdpa`` (masked, over the span);
+one that does not run on this device is skipped with a line saying so. A ``timeout`` (SIGTERM) prints
+the rows measured so far. ``--out`` writes the rows as JSON.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -52,6 +64,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from spmd_rl.rollout import fast  # noqa: E402
 from spmd_rl.rollout.fast import FastDecoder, batch_buckets  # noqa: E402
 
 QWEN3 = (Qwen3Config, Qwen3ForCausalLM)
@@ -122,6 +135,21 @@ def bytes_per_step(model: torch.nn.Module, *, rows: int, context: float) -> floa
     return total + kv
 
 
+def mean_context(prompt_len: int, lengths: list[int]) -> float:
+    """Mean context a generated token attends over: row of ``L`` new tokens, its ``t``-th token reads the
+    prompt and the ``t`` tokens before it, so the rows add ``L P + L (L - 1) / 2`` over ``sum(L)`` tokens."""
+    return prompt_len + sum(n * (n - 1) / 2 for n in lengths) / sum(lengths)
+
+
+def ceiling_tok_s(model: torch.nn.Module, *, slots: int, prompt_len: int, lengths: list[int],
+                  bandwidth: float) -> float:
+    """The bandwidth ceiling of a mix of rows with ``lengths`` new tokens on ``slots`` sequence slots:
+    tokens / the time to read, at ``bandwidth``, the weights once per ideal step (``tokens / slots`` steps)
+    plus each generated token's context of K/V, i.e. ``slots`` tokens per :func:`bytes_per_step` of
+    ``slots`` rows at the mix's :func:`mean_context`."""
+    return slots * bandwidth / bytes_per_step(model, rows=slots, context=mean_context(prompt_len, lengths))
+
+
 def timed(fn, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -141,11 +169,28 @@ class Bench:
         self.vocab = self.model.config.vocab_size
         self.fd = FastDecoder(self.model, device=device, max_batch=max(args.batches + (args.longtail_batches or [])),
                               pad_token_id=0, compile_layers=args.compile_decode and device.type == "cuda")
-        if not args.varlen:
-            self.fd.varlen = False
+        self.picked = self.fd.attention  # what the rollout would use here
+        self.attention = self.picked
         self.eos = torch.tensor([self.vocab], device=device)  # an id the model cannot produce: EOS ignored
         self.sample = dict(temperature=1.0, top_k=0, top_p=1.0)
-        self.fixed_tok_s: dict[int, float] = {}
+        self.fixed_tok_s: dict[tuple[str, int], float] = {}
+        self.sized_for: tuple[str, int] | None = None  # (attention, batch) of the last long-tail call's cache
+
+    def use(self, attention: str) -> str | None:
+        """Switch the decoder's attention (``auto``: the rollout's pick); None when it does not run here."""
+        name = self.picked if attention == "auto" else attention
+        dtype, fd = self.model.dtype, self.fd
+        probe = {"dtype": dtype, "device": self.device, "heads": fd.heads, "kv_heads": fd.kv_heads,
+                 "head_dim": fd.head_dim}
+        runs = {"varlen": fast.varlen_works, "triton": fast.decode_attention_works}.get(name, lambda **_: True)
+        if not runs(**probe):
+            return None
+        if name != fd.attention:
+            fd.release()  # the graphs captured the other attention
+            self.sized_for = None
+            fd.attention = name
+        self.attention = name
+        return name
 
     def call(self, prompts: list[list[int]], *, max_new: int, limits: list[int] | None = None, seed: int = 0):
         gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -158,6 +203,7 @@ class Bench:
     def fixed(self, batch: int) -> dict:
         args, fd, device = self.args, self.fd, self.device
         fd.buckets = batch_buckets(batch)
+        self.sized_for = None  # the cache may grow for this batch
         prompts = self.prompts(batch, seed=batch)
         plist, note = prompts.tolist(), ""
         try:
@@ -172,7 +218,7 @@ class Bench:
         fast = timed(lambda: out.setdefault("fast", self.call(plist, max_new=args.new_tokens, seed=1)), device)
         assert out["fast"][1].sum(-1).eq(args.new_tokens).all(), "EOS was not ignored"
         tokens = batch * args.new_tokens
-        self.fixed_tok_s[batch] = tokens / fast
+        self.fixed_tok_s[self.attention, batch] = tokens / fast
         replay_ms = replay_tb_s = None
         keys = [k for k in fd._graphs if k[0] == batch and k[2:] == (False, 0, 1.0)]
         if fd.use_graphs and keys:  # the decode step alone: replay its graph (the call's last span), no host work
@@ -183,7 +229,7 @@ class Bench:
             fd._ncol.zero_()
             graph = fd._graphs[key]
             replay_ms = 1e3 * timed(lambda: [graph.replay() for _ in range(32)], device) / 32
-            read = args.prompt_len + 1 if fd.varlen else span  # flash varlen reads each row's own entries only
+            read = args.prompt_len + 1 if fd.attention != "sdpa" else span  # varlen / triton: each row's own entries
             replay_tb_s = bytes_per_step(self.model, rows=batch, context=read) / (replay_ms / 1e3) / 1e12
         hf, hf_tokens = None, 0
         if batch <= args.generate_max_batch:
@@ -199,24 +245,28 @@ class Bench:
             hf_tokens = batch * made
             if made < args.new_tokens:
                 note += f"generate stopped by --generate-max-time after {made} of {args.new_tokens} tokens"
-        context = args.prompt_len + (args.new_tokens - 1) / 2
-        ceiling = batch * args.bandwidth / bytes_per_step(self.model, rows=batch, context=context)
-        return dict(shape=self.shape, mix="fixed", batch=batch, slots=batch, rows=batch, tokens=tokens,
+        ceiling = ceiling_tok_s(self.model, slots=batch, prompt_len=args.prompt_len, lengths=[args.new_tokens] * batch,
+                                bandwidth=args.bandwidth)
+        return dict(shape=self.shape, mix="fixed", attention=self.attention, batch=batch, slots=batch, rows=batch,
+                    rows_per_slot=1, tokens=tokens,
                     fast_tok_s=tokens / fast, fast_s=fast, ms_per_step=1e3 * fast / args.new_tokens,
                     graph_replay_ms=replay_ms, graph_replay_tb_s=replay_tb_s, first_call_s=first,
                     generate_tok_s=hf_tokens / hf if hf else None, generate_s=hf,
                     ratio=(tokens / fast) / (hf_tokens / hf) if hf else None, ceiling_tok_s=ceiling,
-                    fraction_of_ceiling=tokens / fast / ceiling, of_fixed=None, occupancy=1.0, note=note)
+                    fraction_of_ceiling=tokens / fast / ceiling,
+                    mean_context=mean_context(args.prompt_len, [args.new_tokens] * batch), of_fixed=None,
+                    occupancy=1.0, note=note)
 
-    def longtail(self, batch: int) -> dict:
+    def longtail(self, batch: int, per_slot: int) -> dict:
         args, fd, device = self.args, self.fd, self.device
-        rows = args.longtail_queue * batch
+        rows = per_slot * batch
         plist = self.prompts(rows, seed=10_000 + batch).tolist()
         lo, hi = math.log(args.longtail_min), math.log(args.longtail_max)
         u = torch.rand(rows, generator=torch.Generator().manual_seed(0))
         limits = (u * (hi - lo) + lo).exp().round().clamp(args.longtail_min, args.longtail_max).long().tolist()
         slots, note = batch, ""
-        fd.release()  # the cache is sized for this mix alone (not for a larger fixed batch before it)
+        if self.sized_for != (self.attention, batch):  # the last long-tail call's cache and graphs serve again
+            fd.release()  # the cache is sized for this mix alone (not for a larger fixed batch before it)
         while True:
             fd.buckets = batch_buckets(slots)
             try:  # size the cache for the mix (one token per row), then capture every bucket and span
@@ -230,6 +280,7 @@ class Bench:
         if slots < batch:
             note += f"ran {slots} slots"
         capture = timed(lambda: fd.capture_graphs(**self.sample), device)
+        self.sized_for = (self.attention, batch)
         steps = fd.steps
         out = {}
         elapsed = timed(lambda: out.setdefault("tail", self.call(plist, max_new=args.longtail_max, limits=limits)),
@@ -237,11 +288,14 @@ class Bench:
         steps = fd.steps - steps
         made = int(out["tail"][1].sum())
         assert made == sum(limits), f"long-tail rows made {made} tokens, their limits sum to {sum(limits)}"
-        fixed = self.fixed_tok_s.get(batch)
-        return dict(shape=self.shape, mix="longtail", batch=batch, slots=slots, rows=rows, tokens=made,
-                    fast_tok_s=made / elapsed, fast_s=elapsed, ms_per_step=1e3 * elapsed / steps,
-                    graph_replay_ms=None, graph_replay_tb_s=None, first_call_s=capture, generate_tok_s=None,
-                    generate_s=None, ratio=None, ceiling_tok_s=None, fraction_of_ceiling=None,
+        fixed = self.fixed_tok_s.get((self.attention, batch))
+        ceiling = ceiling_tok_s(self.model, slots=slots, prompt_len=args.prompt_len, lengths=limits,
+                                bandwidth=args.bandwidth)
+        return dict(shape=self.shape, mix="longtail", attention=self.attention, batch=batch, slots=slots, rows=rows,
+                    rows_per_slot=per_slot, tokens=made, fast_tok_s=made / elapsed, fast_s=elapsed,
+                    ms_per_step=1e3 * elapsed / steps, graph_replay_ms=None, graph_replay_tb_s=None,
+                    first_call_s=capture, generate_tok_s=None, generate_s=None, ratio=None, ceiling_tok_s=ceiling,
+                    fraction_of_ceiling=made / elapsed / ceiling, mean_context=mean_context(args.prompt_len, limits),
                     of_fixed=made / elapsed / fixed if fixed else None, occupancy=made / (steps * slots), note=note)
 
     def close(self) -> None:
@@ -255,16 +309,47 @@ def print_table(rows: list[dict]) -> None:
     def num(v, fmt, width):
         return f"{v:{width}{fmt}}" if v is not None else f"{'-':>{width}}"
 
-    print(f"\n{'shape':>11} {'mix':>8} {'batch':>5} {'rows':>5} {'fast tok/s':>11} {'ms/step':>8} {'graph ms':>8} "
-          f"{'TB/s':>5} {'generate tok/s':>14} {'ratio':>6} {'ceiling tok/s':>13} {'of ceil':>7} {'of fixed':>8} "
-          f"{'occup':>6} {'warm s':>6}")
+    print(f"\n{'shape':>11} {'mix':>8} {'attn':>6} {'batch':>5} {'rows':>5} {'r/slot':>6} {'fast tok/s':>11} "
+          f"{'ms/step':>8} {'graph ms':>8} {'TB/s':>5} {'generate tok/s':>14} {'ratio':>6} {'ceiling tok/s':>13} "
+          f"{'of ceil':>7} {'of fixed':>8} {'occup':>6} {'warm s':>6}")
     for r in rows:
-        print(f"{r['shape']:>11} {r['mix']:>8} {r['batch']:5d} {r['rows']:5d} {r['fast_tok_s']:11,.0f} "
+        print(f"{r['shape']:>11} {r['mix']:>8} {r['attention']:>6} {r['batch']:5d} {r['rows']:5d} "
+              f"{r['rows_per_slot']:6d} {r['fast_tok_s']:11,.0f} "
               f"{r['ms_per_step']:8.2f} {num(r['graph_replay_ms'], '.2f', 8)} {num(r['graph_replay_tb_s'], '.2f', 5)} "
               f"{num(r['generate_tok_s'], ',.0f', 14)} {num(r['ratio'], '.1f', 5)}{'x' if r['ratio'] else ' '} "
               f"{num(r['ceiling_tok_s'], ',.0f', 13)} {num(r['fraction_of_ceiling'], '.1%', 7)} "
               f"{num(r['of_fixed'], '.1%', 8)} {r['occupancy']:6.1%} {r['first_call_s']:6.1f}"
               + (f"  ({r['note']})" if r["note"] else ""))
+
+
+def run_shape(shape: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+              rows_out: list[dict]) -> None:
+    start = time.perf_counter()
+    bench = Bench(shape, args, device, dtype)
+    params = sum(p.numel() for p in bench.model.parameters()) / 1e9
+    print(f"{shape}: {params:.2f}B parameters, decode layers {'compiled' if bench.fd.compile_layers else 'eager'}"
+          f", the rollout's attention: {bench.picked}", flush=True)
+    try:
+        for attention in dict.fromkeys(bench.picked if a == "auto" else a for a in args.attention):
+            name = bench.use(attention)
+            if name is None:
+                print(f"{shape}: attention {attention} does not run on {device} in {dtype}: skipped", flush=True)
+                continue
+            if "fixed" in args.mixes:
+                for batch in args.batches:
+                    rows_out.append(bench.fixed(batch))
+                    print(json.dumps(rows_out[-1]), flush=True)
+            if "longtail" in args.mixes:
+                for batch in args.longtail_batches or [LONGTAIL_BATCH.get(shape, 256)]:
+                    for per_slot in args.rows_per_slot:
+                        rows_out.append(bench.longtail(batch, per_slot))
+                        print(json.dumps(rows_out[-1]), flush=True)
+    finally:
+        peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
+        print(f"{shape}: {time.perf_counter() - start:.0f} s, peak {peak:.1f} GiB", flush=True)
+        bench.close()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
 
 
 def main() -> None:
@@ -276,7 +361,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens of every row of the fixed mix")
     parser.add_argument("--longtail-batches", type=int, nargs="+", default=None,
                         help="sequence slots of the long-tail mix (default: 64 for the 7B and MoE shapes, else 256)")
-    parser.add_argument("--longtail-queue", type=int, default=2, help="long-tail rows per slot")
+    parser.add_argument("--rows-per-slot", type=int, nargs="+", default=[2],
+                        help="long-tail rows per sequence slot, one row of the table each (8: a GRPO step of "
+                             "batch prompts x n = 8)")
     parser.add_argument("--longtail-min", type=int, default=64)
     parser.add_argument("--longtail-max", type=int, default=4096)
     parser.add_argument("--generate-max-batch", type=int, default=1024,
@@ -287,9 +374,10 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.8e12, help="memory bandwidth, bytes/s (H200: 4.8e12)")
     parser.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=True,
                         help="the decode layers through torch.compile (the CUDA default of the rollout)")
-    parser.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
-                        help="flash varlen attention over each row's own cache entries where it runs (else "
-                             "masked SDPA over the step's span)")
+    parser.add_argument("--attention", nargs="+", choices=["auto", "varlen", "triton", "sdpa"], default=["auto"],
+                        help="decode attention of the full-length layers, the table once per value: auto (the "
+                             "rollout's pick), varlen / triton (each row's own cache entries), sdpa (masked, "
+                             "over the step's span of slots)")
     parser.add_argument("--out", type=str, default=None, help="write the table rows here as JSON")
     args = parser.parse_args()
 
@@ -298,27 +386,18 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, {dtype}, {args.prompt_len}-token prompts, fixed mix "
           f"{args.new_tokens} new tokens, long-tail mix {args.longtail_min}-{args.longtail_max} (log-uniform, "
-          f"{args.longtail_queue} rows per slot), sampling T=1", flush=True)
-    rows_out = []
-    for shape in args.shapes:
-        start = time.perf_counter()
-        bench = Bench(shape, args, device, dtype)
-        params = sum(p.numel() for p in bench.model.parameters()) / 1e9
-        print(f"{shape}: {params:.2f}B parameters, decode layers {'compiled' if bench.fd.compile_layers else 'eager'}"
-              f", attention {'flash varlen' if bench.fd.varlen else 'masked SDPA'}", flush=True)
-        if "fixed" in args.mixes:
-            for batch in args.batches:
-                rows_out.append(bench.fixed(batch))
-                print(json.dumps(rows_out[-1]), flush=True)
-        if "longtail" in args.mixes:
-            for batch in args.longtail_batches or [LONGTAIL_BATCH.get(shape, 256)]:
-                rows_out.append(bench.longtail(batch))
-                print(json.dumps(rows_out[-1]), flush=True)
-        peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
-        print(f"{shape}: {time.perf_counter() - start:.0f} s, peak {peak:.1f} GiB", flush=True)
-        bench.close()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+          f"{' / '.join(map(str, args.rows_per_slot))} rows per slot), sampling T=1", flush=True)
+    rows_out: list[dict] = []
+
+    def stop(signum, frame):  # `timeout` sends SIGTERM: end with the rows measured so far
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        for shape in args.shapes:
+            run_shape(shape, args, device, dtype, rows_out)
+    except KeyboardInterrupt as exc:
+        print(f"stopped ({exc or 'interrupted'}): the table holds the rows measured before", flush=True)
     print_table(rows_out)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(device=name, dtype=str(dtype), args=vars(args), rows=rows_out),

@@ -139,13 +139,13 @@ def test_bf16_continuous_batching_with_flash_varlen_on_cuda(root: Path, prompts)
     slots; its tokens and log-probs agree with masked SDPA's and the HF loop's to bf16 rounding."""
     folder = build(root, "qwen3-gqa-qknorm")
     e = engine(folder, "cuda", dtype=torch.bfloat16, batch_size=2)
-    if not e._fast.varlen:  # torch 2.11's varlen_attn has no seqused_k / enable_gqa: the decode keeps masked SDPA
+    if not e._fast.varlen:  # torch 2.11's varlen_attn has no seqused_k / enable_gqa: the decode takes the Triton kernel
         import inspect
 
         from spmd_rl.rollout.fast import varlen_attn
         params = inspect.signature(varlen_attn).parameters if varlen_attn is not None else {}
         assert not {"seqused_k", "enable_gqa"} <= set(params), "varlen_attn takes the decode's arguments, yet the probe failed"
-        pytest.skip(f"torch {torch.__version__}: varlen_attn lacks seqused_k / enable_gqa (the decode uses masked SDPA)")
+        pytest.skip(f"torch {torch.__version__}: varlen_attn lacks seqused_k / enable_gqa (the decode uses the Triton kernel, tests/test_decode_attention.py, or masked SDPA)")
     assert e._fast.use_graphs
     out = greedy(e, prompts, max_new_tokens=12)
     assert e._fast.refills > 0 and e._fast._graphs

@@ -38,10 +38,14 @@ How a call of ``b`` rows runs (any ``b``; ``max_batch``, i.e. ``rollout.batch_si
   FORWARD of that token: embed, per layer fused RMSNorm / one q,k,v GEMM / RoPE on q and k together
   (a table gathered by each row's position) / write each row's slot / attention / o_proj / RMSNorm /
   one gate,up GEMM / down_proj, then norm, ``lm_head``, ``/ T`` and ``logsumexp`` into the logits
-  buffer. Attention of the full-length layers: on CUDA in bf16 / fp16, flash varlen over each row's
-  own entries (from past its padding to its write slot: a long row costs only itself), else SDPA
-  over the step's SPAN (slots ``0..span-1``, a power of two above every write slot) with the row's
-  valid-slot mask (query heads grouped by their KV head, so GQA needs no K/V copy). Family
+  buffer. Attention of the full-length layers (:attr:`FastDecoder.attention`, the first that runs
+  here): ``varlen``, torch's flash varlen kernel over each row's own entries (from past its padding to
+  its write slot: a long row costs only itself; CUDA, bf16 / fp16, a torch whose ``varlen_attn``
+  takes ``seqused_k`` and ``enable_gqa``); ``triton``, the same reads through a split-K Triton kernel
+  (:mod:`spmd_rl.rollout.decode_attention`; CUDA, bf16 / fp16, e.g. torch 2.11); else ``sdpa``, over
+  the step's SPAN (slots ``0..span-1``, a power of two above every write slot) with the row's
+  valid-slot mask (query heads grouped by their KV head, so GQA needs no K/V copy). The two
+  row-wise kernels read a single entry for a finished row (its forward is never used). Family
   differences (:mod:`spmd_rl.rollout.layers`): Qwen3 / Gemma 3 normalise each q and k head; Gemma 3
   scales norms by ``1 + w``, normalises the attention and MLP outputs too, embeds times
   ``sqrt(hidden)`` (its embedding module), soft-caps the final logits when configured and reads a
@@ -75,6 +79,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..compiled import CompileGroup
 from ..models.families import FAMILIES, layer_windows
+from .decode_attention import decode_attention, decode_attention_works
 from .layers import (
     ACTIVATIONS, Fused, dense_mlp, grouped_mm_works, layer_functions, moe_mlp, norm_eps, rms_norm, rope_types,
     unsupported_reason,
@@ -117,6 +122,18 @@ def varlen_works(*, dtype: torch.dtype, device: torch.device, heads: int, kv_hea
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return False
     return True
+
+
+def attention_kind(*, dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str:
+    """The full-length layers' decode attention on this device and dtype: ``varlen`` (torch's flash varlen),
+    ``triton`` (:func:`~spmd_rl.rollout.decode_attention.decode_attention`), both reading each row's own
+    cache entries, or ``sdpa`` (masked, over the step's span of slots): the first whose probe passes."""
+    probe = {"dtype": dtype, "device": device, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    if varlen_works(**probe):
+        return "varlen"
+    if decode_attention_works(**probe):
+        return "triton"
+    return "sdpa"
 
 
 def size(n: float) -> str:
@@ -210,10 +227,11 @@ class FastDecoder:
         # offsets on the host (measured: torch 2.11, H200), as the experts loop does
         self.use_graphs = self.device.type == "cuda" and (moe is None or compile_moe)
         self.check_every = 4 if self.use_graphs else 1
-        # full-length layers attend with flash varlen over each row's own entries (left padding skipped,
-        # nothing past its write slot read) where the kernel runs; else masked SDPA over the step's span
-        self.varlen = varlen_works(dtype=self.inner.embed_tokens.weight.dtype, device=self.device, heads=self.heads,
-                                   kv_heads=self.kv_heads, head_dim=self.head_dim)
+        # full-length layers attend over each row's own entries (left padding skipped, nothing past its write
+        # slot read) with flash varlen or the Triton kernel where one runs; else masked SDPA over the step's span.
+        # Settable before a call (the benchmark compares them): "varlen", "triton" or "sdpa"
+        self.attention = attention_kind(dtype=self.inner.embed_tokens.weight.dtype, device=self.device,
+                                        heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
         self.cache: torch.Tensor | None = None  # the full-length layers' K/V
         self.ring: torch.Tensor | None = None  # the windowed layers' K/V (window-sized)
         self._shape: tuple[int, int, int] | None = None  # (rows, slots, output rows) of the last cache, for restore()
@@ -226,6 +244,18 @@ class FastDecoder:
         self.refill_fraction = 1 / 16
         # bytes the cache and buffers may take; None = what the device has free (CUDA), no check on CPU
         self.memory_budget: int | None = None
+
+    @property
+    def varlen(self) -> bool:
+        """Whether the full-length layers attend with flash varlen; setting False selects masked SDPA."""
+        return self.attention == "varlen"
+
+    @varlen.setter
+    def varlen(self, on: bool) -> None:
+        if on and self.attention != "varlen":
+            raise ValueError(f"FastDecoder: flash varlen does not run here (attention is {self.attention!r})")
+        if not on:
+            self.attention = "sdpa"
 
     # ------------------------------------------------------------------ memory
 
@@ -433,7 +463,7 @@ class FastDecoder:
         # query groups. Ring entry j holds the latest slot s <= the row's write slot with s % R == j; it counts
         # when that slot is one of the row's (not left padding) and fewer than the layer's window back.
         bias = {}
-        if not self.varlen:  # the full-length layers' mask: the row's slots from past its padding to its write slot
+        if self.attention == "sdpa":  # the full-length layers' mask: the row's slots from past its padding to its write slot
             slots = self._slots[:span]
             valid = (slots[None, :] >= self._pad[:rows, None]) & (slots[None, :] <= wpos[:, None])
             bias[None] = self._biases(valid, {None: None}, x.dtype)[None][:, None, None, :]
@@ -447,11 +477,15 @@ class FastDecoder:
             ring_at = wpos % ring
         tables = [(self._cos[t][pos][:, None], self._sin[t][pos][:, None]) for t in range(len(self.rope_keys))]
         rows_at = self._ar[:rows]
-        if self.varlen:  # each row's keys: its slots pad..wpos in the flattened [rows * slots] cache
+        if self.attention != "sdpa":  # each row's keys: its slots pad..wpos; a finished row's: wpos alone
+            first = torch.where(self._finished[:rows], wpos, self._pad[:rows])
+            used = (wpos - first + 1).int()
+        if self.attention == "varlen":  # in the flattened [rows * slots] cache
             starts = self._ar[:rows + 1] * self.cache.shape[3]
-            starts[:rows] += self._pad[:rows]
+            starts[:rows] += first
             starts, queries = starts.int(), self._ar[:rows + 1].int()  # one query per row
-            used = (wpos - self._pad[:rows] + 1).int()
+        elif self.attention == "triton":
+            first, end = first.int(), (wpos + 1).int()
         for i in range(len(self.layers)):
             cos, sin = tables[self.rope_of[i]]  # [rows, 1, D]
             qk, v = self._in(i, x, cos, sin, self._step_in)
@@ -464,9 +498,13 @@ class FastDecoder:
             else:  # [rows, slots, kv_heads, head_dim]
                 k_cache[rows_at, wpos] = qk[:, self.heads:]
                 v_cache[rows_at, wpos] = v
-                if self.varlen:
-                    o = varlen_attn(qk[:, :self.heads].contiguous(), k_cache.flatten(0, 1), v_cache.flatten(0, 1),
-                                    queries, starts, 1, span, scale=self.scaling, enable_gqa=True, seqused_k=used)
+                if self.attention != "sdpa":
+                    if self.attention == "varlen":
+                        o = varlen_attn(qk[:, :self.heads].contiguous(), k_cache.flatten(0, 1), v_cache.flatten(0, 1),
+                                        queries, starts, 1, span, scale=self.scaling, enable_gqa=True, seqused_k=used)
+                    else:
+                        o = decode_attention(qk[:, :self.heads], k_cache, v_cache, first, end, scale=self.scaling,
+                                             span=span)
                     x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
                     continue
                 k_cache, v_cache = k_cache[:, :span].transpose(1, 2), v_cache[:, :span].transpose(1, 2)
@@ -730,4 +768,4 @@ class FastDecoder:
         return new
 
 
-__all__ = ["FastDecoder", "Fused", "batch_buckets", "unsupported_reason"]
+__all__ = ["FastDecoder", "Fused", "attention_kind", "batch_buckets", "unsupported_reason"]
