@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23's open GPU measurements on one H200, each part printing its table (about 9 minutes in all):
+# Issue 23's open GPU measurements on one H200, each part printing its table (about 10 minutes in all):
 #   check    bench/decode_attention_check.py: one long-tail decode step's attention, masked SDPA (the old
 #            path on torch 2.11) vs the Triton kernel over each row's own entries; max abs diff and ms
 #   rollout  bench/rollout.py at batch 256: Qwen3-0.6B, fixed mix then the long tail at 8 and 2 rows per
@@ -28,7 +28,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 phases=${*:-check rollout update logprob}
 T_CHECK=${T_CHECK:-30} T_ROLL_06=${T_ROLL_06:-190} T_ROLL_17=${T_ROLL_17:-90} T_UPD_17=${T_UPD_17:-90}
-T_UPD_MOE=${T_UPD_MOE:-55} T_LOGPROB=${T_LOGPROB:-85} T_FULL=${T_FULL:-360}
+T_UPD_MOE=${T_UPD_MOE:-55} T_LOGPROB=${T_LOGPROB:-150} T_FULL=${T_FULL:-360}
 
 if [ "${SMOKE:-0}" = 1 ]; then  # the same commands at toy sizes
   CHECK=(--rows 4 --heads 4 --kv-heads 2 --head-dim 16 --prompt-len 8 --min-len 4 --max-len 64 --iters 1)
