@@ -86,6 +86,10 @@ SHAPES = {
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
         norm_topk_prob=True, tie_word_embeddings=False)),
+    # Qwen2.5-1.5B: 28 layers, hidden 1536, 12 heads / 2 KV heads of 128, MLP 8960, vocab 151936, tied.
+    "qwen2.5-1.5b": (Qwen2Config, Qwen2ForCausalLM, dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, tie_word_embeddings=True)),
     # Qwen2-0.5B: 24 layers, hidden 896, 14 heads / 2 KV heads of 64, MLP 4864, vocab 151936, tied.
     "qwen2-0.5b": (Qwen2Config, Qwen2ForCausalLM, dict(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
