@@ -59,12 +59,15 @@ def _machine_share(request: pytest.FixtureRequest):
 # ---- the longest files first
 # ``--dist loadfile`` hands whole files to the two workers in collection order. Started last, a file
 # of several minutes (vLLM's subprocesses, the launchers' fault tests) would run alone at the end
-# while the other worker idles; started first, the short files fill in around it.
-LONG_FILES = ("test_vllm_rollout.py", "test_megatron_pools.py", "test_pools.py", "test_megatron_families.py",
-              "test_process_lifecycle.py", "test_multinode.py", "test_checkpoint.py", "test_train_e2e.py",
-              "test_slurm.py", "test_doc_commands.py", "test_megatron_parity.py", "test_models.py",
-              "test_rollout_fast.py", "test_checkpoint_faults.py", "test_reward_pool.py", "test_async.py",
-              "test_lora.py", "test_megatron_cp.py", "test_rollout_contbatch.py")
+# while the other worker idles; started first, the short files fill in around it. Ordered by each
+# file's measured total (longest first).
+LONG_FILES = ("test_vllm_rollout.py", "test_async.py", "test_pools.py", "test_slurm.py", "test_checkpoint.py",
+              "test_multinode.py", "test_train_e2e.py", "test_reward_pool.py", "test_process_lifecycle.py",
+              "test_lora.py", "test_models.py", "test_megatron_parity.py", "test_megatron_pools.py",
+              "test_fsdp_parity.py", "test_critic.py", "test_dapo.py", "test_nonfinite.py", "test_fsdp_depth.py",
+              "test_checkpoint_faults.py", "test_attention.py", "test_evaluate.py", "test_megatron_e2e.py",
+              "test_rollout_contbatch.py", "test_megatron_cp.py", "test_rollout_fast.py",
+              "test_megatron_families.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -118,6 +118,19 @@ def test_bad_layout_exits_with_the_plan_message() -> None:
     assert out.returncode != 0 and "--world-size is required" in out.stderr
 
 
+def test_the_tool_plans_without_torch() -> None:
+    """The layout tool runs where torch is not installed (a laptop): planning and printing a megatron
+    cp layout, with a rollout pool and a critic, leave torch and transformers unimported (and fast)."""
+    code = ("import sys; from spmd_rl import layout; rc = layout.main(['--world-size', '8', '--actor.engine', "
+            "'megatron', '--actor.megatron.cp', '2', '--pools.rollout-ranks', '4', '--json']); "
+            "rc2 = layout.main(['--world-size', '2', '--algo.adv-estimator', 'gae']); "
+            "print(rc, rc2, sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "0 0 []", proc.stderr[-3000:]
+
+
 def test_help() -> None:
     out = run_layout_command("--help")
     assert out.returncode == 0

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from spmd_rl.algo import CRITIC_ESTIMATOR_NAMES, losses
 from spmd_rl.algo import advantages as adv_lib
-from spmd_rl.algo import losses
 from spmd_rl.config import AlgoConfig
 
 ADVANTAGE_ESTIMATORS = {
@@ -28,7 +28,7 @@ ADVANTAGE_ESTIMATORS = {
     "reinforce_pp_baseline": adv_lib.reinforce_pp_baseline,
 }
 
-CRITIC_ESTIMATORS = {"gae": adv_lib.gae}
+CRITIC_ESTIMATORS = {name: getattr(adv_lib, name) for name in CRITIC_ESTIMATOR_NAMES}
 """Estimators of token-level advantages from a value model's values (the run trains a critic: spmd_rl.critic)."""
 
 POLICY_LOSSES = {

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from spmd_rl.algo.objective import CRITIC_ESTIMATORS
+from spmd_rl.algo import CRITIC_ESTIMATOR_NAMES
 from spmd_rl.distributed.dims import ActorLayout, FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
 from spmd_rl.distributed.pools import (
     GLOBAL, REWARD, ROLLOUT, TEACHER, PoolSpec, get_spec, gpu_of, gpus_per_node, member_of, plan_pools,
@@ -331,7 +331,7 @@ def _check_teacher(cfg: Config, *, separate: bool, engine_meshes: tuple[str, ...
 def _check_critic(cfg: Config, *, engine_builds_critic: bool) -> list[str]:
     """PPO's critic: an engine that builds it, a use for its flags; the warnings about the KL terms."""
     algo, path = cfg.algo, cfg.critic.model.path
-    uses_critic = algo.adv_estimator in CRITIC_ESTIMATORS
+    uses_critic = algo.adv_estimator in CRITIC_ESTIMATOR_NAMES
     if uses_critic and not engine_builds_critic:
         raise ValueError(f"algo.adv_estimator={algo.adv_estimator} trains a critic (a value model), which actor.engine="
                          f"{cfg.actor.engine} does not build: use --actor.engine fsdp, or a group estimator "

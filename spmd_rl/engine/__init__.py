@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from spmd_rl.distributed.dims import ActorLayout, FsdpLayout, MegatronLayout, UlyssesLayout
-from spmd_rl.engine.base import LossFn, NonfiniteGuard, TrainEngine, lr_lambda
 
 if TYPE_CHECKING:
     import torch
+
+    from spmd_rl.engine.base import TrainEngine
 
     from spmd_rl.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, TeacherConfig
     from spmd_rl.distributed.world import RunGroups
@@ -183,6 +184,15 @@ def build_teacher(*, teacher: TeacherConfig, actor: ActorConfig, model_folder: s
                       trust_remote_code=teacher.model.trust_remote_code, pad_token_id=pad_token_id, group=group,
                       sp_group=sp_group, use_packing=actor.use_packing, max_tokens_per_gpu=actor.max_tokens_per_gpu,
                       trainable=False, param_offload=teacher.param_offload)
+
+
+def __getattr__(name: str) -> Any:
+    # engine.base imports torch: loaded on first use, so plan() and the layout tool need no torch.
+    if name in ("LossFn", "NonfiniteGuard", "TrainEngine", "lr_lambda"):
+        from spmd_rl.engine import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["ENGINES", "ActorLayout", "EngineSpec", "LossFn", "NonfiniteGuard", "TrainEngine", "build_engine",

@@ -13,17 +13,30 @@ built-in name; the last two are materialised once into the cache (see :mod:`spmd
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
-
-from .builtin import (
-    BUILTIN_NAMES, SMOLLM2_NAME, TINY_NAME, TINY_RM_NAME, TinyShape, cache_root, materialise_gguf,
-    materialise_smollm2, materialise_tiny_random, materialise_tiny_random_rm,
-)
 from .flops import FlopsModel, model_flops_per_token
-from .tokenizer import build_char_tokenizer, eos_token_ids, load_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+# Loaded on first use (they import torch or transformers): the layout tool reads
+# ``spmd_rl.models.families`` through this package and must run without either.
+_LAZY = {
+    **dict.fromkeys(("BUILTIN_NAMES", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "TinyShape", "cache_root",
+                     "materialise_gguf", "materialise_smollm2", "materialise_tiny_random",
+                     "materialise_tiny_random_rm"), "builtin"),
+    **dict.fromkeys(("build_char_tokenizer", "eos_token_ids", "load_tokenizer"), "tokenizer"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_model_path(path: str, *, cache_dir: str | None) -> str:
@@ -37,6 +50,11 @@ def resolve_model_path(path: str, *, cache_dir: str | None) -> str:
     default :class:`~.builtin.TinyShape`; a model of another shape or seed is a folder built with
     :func:`~.builtin.materialise_tiny_random`.
     """
+    from .builtin import (
+        BUILTIN_NAMES, SMOLLM2_NAME, TINY_NAME, TINY_RM_NAME, TinyShape, cache_root, materialise_gguf,
+        materialise_smollm2, materialise_tiny_random, materialise_tiny_random_rm,
+    )
+
     if path == SMOLLM2_NAME:
         return str(materialise_smollm2(cache_root(cache_dir)))
     if path == TINY_NAME:
@@ -67,6 +85,8 @@ def load_causal_lm(
     attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
     """Load a causal LM from a local folder onto the CPU in ``dtype``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
     )
@@ -77,6 +97,8 @@ def load_causal_lm(
 def load_reward_model(folder: str, *, dtype: torch.dtype, trust_remote_code: bool = False) -> PreTrainedModel:
     """Load a sequence-classification reward model (one output per sequence) onto the CPU, in eval
     mode with gradients off; ``ValueError`` when the folder's head does not give one score."""
+    from transformers import AutoModelForSequenceClassification
+
     model = AutoModelForSequenceClassification.from_pretrained(
         folder, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
     )

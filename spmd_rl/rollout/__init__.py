@@ -18,21 +18,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
-from .base import GenerationOutput, RolloutEngine
-
 if TYPE_CHECKING:
+    import torch
+
     from spmd_rl.config import RolloutConfig
 
+    from .base import GenerationOutput, RolloutEngine
     from .native import NativeRollout
 
 
 def __getattr__(name: str) -> Any:
-    if name == "NativeRollout":  # imported on first use: planning a layout needs no transformers
+    # Imported on first use: planning a layout (plan(), the layout tool) needs neither transformers
+    # nor torch, so the layout tool runs in a fraction of a second on a machine without them.
+    if name == "NativeRollout":
         from .native import NativeRollout
 
         return NativeRollout
+    if name in ("GenerationOutput", "RolloutEngine"):
+        from . import base
+
+        return getattr(base, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -129,6 +134,8 @@ def build_rollout_from_config(rollout: RolloutConfig, *, model_folder: str, devi
     fp32 elsewhere; no EOS ids with ``rollout.ignore_eos``. ``seed``: the sampling seed of this rank's
     replica (vLLM seeds its engine with it). ``pool_groups``: what the backend's
     :attr:`BackendSpec.pool_groups` built for this rank (``RunGroups.rollout_pool_groups``), or None."""
+    import torch
+
     spec = backend_spec(rollout.backend)
     return spec.factory(
         model_folder=model_folder, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
