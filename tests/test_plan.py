@@ -159,22 +159,18 @@ def test_megatron_plans_beside_rollout_teacher_and_reward_pools() -> None:
     assert p.rollout_pool.name == "rollout" and p.rollout_dp_size == 2
 
 
-def test_partial_rollouts_need_a_backend_that_continues_responses() -> None:
-    """No backend but the built-in one takes the swap callback (vLLM restarts every request)."""
-    from spmd_rl.distributed.plan import _check_partial
+def test_partial_rollouts_and_streams_need_a_backend_that_can() -> None:
+    """No backend but the built-in one takes the swap callback (vLLM restarts every request) or hands
+    back rows one by one; the registry says which can."""
+    from types import SimpleNamespace
 
-    cfg = load_config(["--rollout.partial", "--pools.rollout-ranks", "1", "--trainer.max-staleness", "1"])
-    with pytest.raises(ValueError, match=re.escape("rollout.backend=native does not: use --rollout.backend native")):
-        _check_partial(cfg, rollout_pool=True, backend_partial=False)
-    _check_partial(cfg, rollout_pool=True, backend_partial=True)
+    from spmd_rl.distributed.plan import _check_in_flight
 
-
-def test_streamed_groups_need_a_backend_that_streams() -> None:
-    """vLLM's engine is driven by whole requests here: only the built-in rollout streams rows."""
-    from spmd_rl.distributed.plan import _check_stream
-
-    cfg = load_config(["--rollout.stream", "--pools.rollout-ranks", "1", "--trainer.max-staleness", "1"])
-    with pytest.raises(ValueError, match=re.escape("rollout.backend=native does not: use --rollout.backend native")):
-        _check_stream(cfg, rollout_pool=True, backend_stream=False)
-    _check_stream(cfg, rollout_pool=True, backend_stream=True)
-    assert plan(cfg, 2).rollout_pool.name == "rollout"
+    for flag, needs in (("partial", "continues responses under new weights"),
+                        ("stream", "hands back each response as it finishes")):
+        cfg = load_config([f"--rollout.{flag}", "--pools.rollout-ranks", "1", "--trainer.max-staleness", "1"])
+        with pytest.raises(ValueError, match=re.escape(f"rollout.{flag} needs a rollout backend that {needs}; "
+                                                       "rollout.backend=native does not: use --rollout.backend native")):
+            _check_in_flight(cfg, rollout_pool=True, backend=SimpleNamespace(partial=False, stream=False))
+        _check_in_flight(cfg, rollout_pool=True, backend=SimpleNamespace(partial=True, stream=True))
+        assert plan(cfg, 2).rollout_pool.name == "rollout"

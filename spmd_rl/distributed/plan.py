@@ -205,8 +205,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
         if cfg.algo.rollout_is == "none":
             warnings.append(f"trainer.max_staleness={cfg.trainer.max_staleness} trains on samples of an older policy "
                             f"with no importance correction: consider --algo.rollout-is token_truncated")
-    _check_partial(cfg, rollout_pool=ROLLOUT in by_name, backend_partial=backend.partial)
-    _check_stream(cfg, rollout_pool=ROLLOUT in by_name, backend_stream=backend.stream)
+    _check_in_flight(cfg, rollout_pool=ROLLOUT in by_name, backend=backend)
     fractions = _memory_fractions(cfg, specs, world_size, nproc_per_node)
     if cfg.actor.lora.enabled and not engine.lora:
         supported = sorted(name for name, spec in ENGINES.items() if spec.lora)
@@ -345,38 +344,28 @@ def _check_critic(cfg: Config, *, engine_builds_critic: bool) -> list[str]:
     return []
 
 
-def _check_partial(cfg: Config, *, rollout_pool: bool, backend_partial: bool) -> None:
-    """``rollout.partial`` needs weights that can arrive during a generation: a rollout pool, rounds in
-    flight (max staleness > 0), and a backend that continues responses under new weights."""
-    if not cfg.rollout.partial:
-        return
-    if not rollout_pool or cfg.trainer.max_staleness == 0:
-        raise ValueError(
-            f"rollout.partial continues responses under weights that arrive while the rollout generates, which "
-            f"happens only on a rollout pool with rounds in flight (pools.rollout_ranks={cfg.pools.rollout_ranks}, "
-            f"trainer.max_staleness={cfg.trainer.max_staleness}): set --pools.rollout-ranks N (N > 0) and "
-            f"--trainer.max-staleness S (S > 0), or drop --rollout.partial")
-    if not backend_partial:
-        raise ValueError(f"rollout.partial needs a rollout backend that continues responses under new weights; "
-                         f"rollout.backend={cfg.rollout.backend} does not: use --rollout.backend native, or drop "
-                         f"--rollout.partial")
+_IN_FLIGHT = {  # rollout flags that act while rows or weights are in flight: (what it does, what its backend needs)
+    "partial": ("continues responses under weights that arrive while the rollout generates, which happens only on "
+                "a rollout pool with rounds in flight", "continues responses under new weights"),
+    "stream": ("sends groups from a rollout pool while the actor trains on earlier ones, which needs a rollout pool "
+               "and prompts in flight", "hands back each response as it finishes"),
+}
 
 
-def _check_stream(cfg: Config, *, rollout_pool: bool, backend_stream: bool) -> None:
-    """``rollout.stream`` sends groups from a rollout pool while the actor trains: a rollout pool,
-    prompts in flight (max staleness > 0), and a backend that streams."""
-    if not cfg.rollout.stream:
-        return
-    if not rollout_pool or cfg.trainer.max_staleness == 0:
-        raise ValueError(
-            f"rollout.stream sends groups from a rollout pool while the actor trains on earlier ones, which needs "
-            f"a rollout pool and prompts in flight (pools.rollout_ranks={cfg.pools.rollout_ranks}, "
-            f"trainer.max_staleness={cfg.trainer.max_staleness}): set --pools.rollout-ranks N (N > 0) and "
-            f"--trainer.max-staleness S (S > 0), or drop --rollout.stream")
-    if not backend_stream:
-        raise ValueError(f"rollout.stream needs a rollout backend that hands back each response as it finishes; "
-                         f"rollout.backend={cfg.rollout.backend} does not: use --rollout.backend native, or drop "
-                         f"--rollout.stream")
+def _check_in_flight(cfg: Config, *, rollout_pool: bool, backend: Any) -> None:
+    """``rollout.partial`` and ``rollout.stream`` need a rollout pool, prompts in flight (max staleness
+    > 0), and a backend whose registry entry says it can (``BackendSpec.partial`` / ``.stream``)."""
+    for flag, (does, needs) in _IN_FLIGHT.items():
+        if not getattr(cfg.rollout, flag):
+            continue
+        if not rollout_pool or cfg.trainer.max_staleness == 0:
+            raise ValueError(
+                f"rollout.{flag} {does} (pools.rollout_ranks={cfg.pools.rollout_ranks}, trainer.max_staleness="
+                f"{cfg.trainer.max_staleness}): set --pools.rollout-ranks N (N > 0) and --trainer.max-staleness S "
+                f"(S > 0), or drop --rollout.{flag}")
+        if not getattr(backend, flag):
+            raise ValueError(f"rollout.{flag} needs a rollout backend that {needs}; rollout.backend="
+                             f"{cfg.rollout.backend} does not: use --rollout.backend native, or drop --rollout.{flag}")
 
 
 def _memory_fractions(cfg: Config, specs: list[PoolSpec], world_size: int,

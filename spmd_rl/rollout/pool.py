@@ -276,20 +276,27 @@ class RolloutServer:
     def serve(self) -> int:
         try:
             while True:
-                kind, payload, prompts = self.queued.pop(0) if self.queued else (*recv_object(CONTROLLER)[1], None)
+                kind, payload, prompts = self._next()
                 if kind == "stop":
                     return 1 if self.error else 0
                 if kind == "abort":
                     log.error("%s: stopping, the trainer failed: %s", self.where, payload)
                     return 1
-                if kind == "weights":
-                    self._load_weights(payload)
-                elif kind == "generate":
-                    self._generate(payload, prompts)
-                else:
-                    raise RuntimeError(f"{self.where}: unknown command {kind!r} from the controller")
+                self._run(kind, payload, prompts)
         finally:
             self.pending = settle(self.pending)  # what the trainer never took (it stopped) is dropped
+
+    def _next(self) -> tuple[str, Any, Any]:
+        """The next command: one taken during a generation, else the controller's next."""
+        return self.queued.pop(0) if self.queued else (*recv_object(CONTROLLER)[1], None)
+
+    def _run(self, kind: str, payload: Any, prompts: list[list[int]] | None) -> None:
+        if kind == "weights":
+            self._load_weights(payload)
+        elif kind == "generate":
+            self._generate(payload, prompts)
+        else:
+            raise RuntimeError(f"{self.where}: unknown command {kind!r} from the controller")
 
     def swap(self) -> bool:
         """The engine's look for new weights during a training round (``rollout.partial``): if the

@@ -208,39 +208,28 @@ class StreamServer(RolloutServer):
         self.busy_s, self.stream_start = 0.0, 0.0  # seconds generating before this stream; its start
         self.error_sent = False
 
-    def serve(self) -> int:
-        try:
-            while True:
-                if self.held is not None:  # rollout.partial: weights the stream ended before loading
-                    version, self.held = self.held, None
-                    self._load_weights(version)
-                if self.error is not None:  # e.g. weights that failed to load: the controller raises it
-                    self._send_error(self.error)
-                if not self.queued and self.waiting and self.error is None:  # rows a drain left: go on
-                    self._stream()
-                    continue
-                if self.queued:
-                    kind, payload, prompts = self.queued.pop(0)
-                else:
-                    kind, payload = recv_object(CONTROLLER)[1]
-                    self.commands_taken += 1
-                    prompts = None
-                if kind == "stop":
-                    return 1 if self.error else 0
-                if kind == "abort":
-                    log.error("%s: stopping, the trainer failed: %s", self.where, payload)
-                    return 1
-                if kind == "weights":
-                    self._load_weights(payload)
-                elif kind == "generate":  # a validation round
-                    self._generate(payload, prompts)
-                elif kind == "stream":
-                    self._add(payload, self._prompts_of(payload))
-                    self._stream()
-                else:
-                    raise RuntimeError(f"{self.where}: unknown command {kind!r} from the controller")
-        finally:
-            self.pending = settle(self.pending)
+    def _next(self) -> tuple[str, Any, Any]:
+        while True:
+            if self.held is not None:  # rollout.partial: weights the stream ended before loading
+                version, self.held = self.held, None
+                self._load_weights(version)
+            if self.error is not None:  # e.g. weights that failed to load: the controller raises it
+                self._send_error(self.error)
+            if self.queued or not self.waiting or self.error is not None:
+                break
+            self._stream()  # rows a drain left: go on with them first
+        if self.queued:
+            return self.queued.pop(0)
+        kind, payload = recv_object(CONTROLLER)[1]
+        self.commands_taken += 1
+        return kind, payload, None
+
+    def _run(self, kind: str, payload: Any, prompts: list[list[int]] | None) -> None:
+        if kind == "stream":
+            self._add(payload, self._prompts_of(payload))
+            self._stream()
+        else:  # weights, or a validation round
+            super()._run(kind, payload, prompts)
 
     def _prompts_of(self, p: dict[str, Any]) -> list[list[int]]:
         from spmd_rl.distributed.bridge import PROMPT_SPEC, unpack_prompts
