@@ -606,7 +606,7 @@ class FastDecoder:
         call; returns how many graphs were new."""
         if not self.use_graphs or self.cache is None:
             return 0
-        mode = (True, 0, 1.0) if temperature == 0 else (False, top_k, top_p)
+        mode = self.mode(temperature=temperature, top_k=top_k, top_p=top_p)
         spans, n = set(), 128
         while n < 2 * self._shape[1]:
             spans.add(self.span(n))
@@ -656,16 +656,12 @@ class FastDecoder:
 
         queue = list(range(b))[::-1]  # popped from the end: rows in the order given
         top = self._fill(list(range(min(cur, b))), queue, rows, limits)  # highest write slot so far
-        greedy = temperature == 0
-        mode = (True, 0, 1.0) if greedy else (False, top_k, top_p)  # one graph per mode, bucket and span
+        mode = self.mode(temperature=temperature, top_k=top_k, top_p=top_p)
         span = self.span(top + self.check_every + 1)
         step = 0
         while True:
-            if not greedy:
-                self._u[:cur].uniform_(generator=generator)
-            self._step(cur, span, mode)
+            self._decode(cur, span, mode, generator)
             step += 1
-            self.steps += 1
             if interrupt is not None and interrupt(step):
                 break
             if step % self.check_every:
@@ -688,6 +684,18 @@ class FastDecoder:
         last = tokens.gather(1, mask.sum(-1, keepdim=True).long().clamp_(min=1) - 1).squeeze(1)
         truncated = ~torch.isin(last, self._eos)  # a row ends at its first EOS, so no EOS last = no EOS at all
         return tokens, mask[:, :width].clone(), self._out_lp[:b, :width].clone(), truncated
+
+    @staticmethod
+    def mode(*, temperature: float, top_k: int, top_p: float) -> tuple[bool, int, float]:
+        """A sampling setting as the step's graphs key it: one graph per mode, bucket and span."""
+        return (True, 0, 1.0) if temperature == 0 else (False, top_k, top_p)
+
+    def _decode(self, cur: int, span: int, mode: tuple[bool, int, float], generator: torch.Generator) -> None:
+        """One decode step of the first ``cur`` slots: the step's uniforms (sampled modes), then its replay."""
+        if not mode[0]:
+            self._u[:cur].uniform_(generator=generator)
+        self._step(cur, span, mode)
+        self.steps += 1
 
     def _start_call(self, *, temperature: float, eos: torch.Tensor) -> int:
         """Set up a call on the allocated cache: the EOS ids, the RoPE tables, every slot a spare

@@ -105,7 +105,9 @@ def issue_stream(link: RolloutLink, prompts: list[list[int]] | None, sampling: d
     a ceil-sized share per rollout replica. Not collective: only the controller sends."""
     if link.rank != CONTROLLER:
         return
-    link._command("stream", {"round": round_, "num_prompts": num_prompts, "pad_token_id": pad_token_id, **sampling})
+    # kind "stream": a ceil-sized share per replica, as the server's _prompts routes it (even shares: "train")
+    link._command("stream", {"kind": "stream", "round": round_, "num_prompts": num_prompts,
+                             "pad_token_id": pad_token_id, **sampling})
     route = RowRoute(sources={CONTROLLER: (0, num_prompts)}, dests=link.routes.prompt_ranges(num_prompts, even=False))
     link._pending += send_rows(route, pack_prompts(prompts), first_row=0, wait=False)
 
@@ -226,17 +228,10 @@ class StreamServer(RolloutServer):
 
     def _run(self, kind: str, payload: Any, prompts: list[list[int]] | None) -> None:
         if kind == "stream":
-            self._add(payload, self._prompts_of(payload))
+            self._add(payload, self._prompts(payload))
             self._stream()
         else:  # weights, or a validation round
             super()._run(kind, payload, prompts)
-
-    def _prompts_of(self, p: dict[str, Any]) -> list[list[int]]:
-        from spmd_rl.distributed.bridge import PROMPT_SPEC, unpack_prompts
-
-        ranges = self.link.routes.prompt_ranges(p["num_prompts"], even=False)
-        return unpack_prompts(recv_rows(RowRoute(sources={CONTROLLER: (0, p["num_prompts"])}, dests=ranges),
-                                        PROMPT_SPEC))
 
     def _add(self, p: dict[str, Any], prompts: list[list[int]]) -> None:
         """Queue a stream command's prompts (this replica's share) as rows."""
@@ -249,7 +244,7 @@ class StreamServer(RolloutServer):
     def _take(self, kind: str, payload: Any) -> None:
         """A command received during the stream: prompts join it, anything else waits for it to end."""
         if kind == "stream":
-            self._add(payload, self._prompts_of(payload))
+            self._add(payload, self._prompts(payload))
         elif kind == "weights" and self.partial:
             self.held = payload
         else:

@@ -178,16 +178,12 @@ def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hasha
     if not queue:
         return None
     top = fast._fill(list(range(min(cur, len(queue)))), queue, prompts, limits)
-    greedy = temperature == 0
-    mode = (True, 0, 1.0) if greedy else (False, top_k, top_p)
+    mode = fast.mode(temperature=temperature, top_k=top_k, top_p=top_p)
     span = fast.span(top + fast.check_every + 1)
     step, stopped = 0, False
     while True:
-        if not greedy:
-            fast._u[:cur].uniform_(generator=generator)
-        fast._step(cur, span, mode)
+        fast._decode(cur, span, mode, generator)
         step += 1
-        fast.steps += 1
         stopped = interrupt is not None and interrupt(step)
         if not stopped and step % fast.check_every:
             continue
