@@ -108,7 +108,10 @@ def test_partial_rollouts_continue_under_new_weights(tmp_path):
         assert sum(m[f"async/tokens_staleness_{k}"] for k in range(3)) == pytest.approx(m["response_length/mean"] * 64), m
     # the update is ~0.3 s, a round ~1.6 s, so most rounds after the first two get new weights mid-way
     # (on a crowded machine an update can outlast a round: then only some of them)
-    mixed = [m for m in steps if m["async/partial_frac"] > 0 and 0 < m["async/staleness/mean"] < 1]
+    # (which two versions a row spans, 0-1 or 1-2, depends on how far the rollout runs ahead)
+    def versions_in(m):
+        return sum(m[f"async/tokens_staleness_{k}"] > 0 for k in range(3))
+    mixed = [m for m in steps if m["async/partial_frac"] > 0 and versions_in(m) >= 2]
     assert mixed, [(m["async/partial_frac"], m["async/staleness/mean"]) for m in steps]
     assert all(m["response_length/max"] <= 16 and m["response_length/min"] >= 4 for m in steps)
 
