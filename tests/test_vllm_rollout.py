@@ -90,28 +90,40 @@ def _check_engine(r: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def single_run(tmp_path_factory) -> dict:
-    """The one-process worker's measurements (one run, read by two tests)."""
-    out = tmp_path_factory.mktemp("vllm-single")
-    _run([VLLM_PYTHON, WORKER, "single", str(out)], _env())
-    return json.loads((out / "single-rank0.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def spmd_runs(tmp_path_factory) -> dict[int, list[dict]]:
-    """tp -> both ranks' measurements: one torchrun launch builds the tp=2 engine, then the tp=1 one."""
-    out = tmp_path_factory.mktemp("vllm-spmd")
-    _run(_torchrun(2, WORKER, "spmd", str(out)), _env(TPS="2,1", PP="1"))
-    return {tp: [json.loads((out / f"spmd-tp{tp}-rank{i}.json").read_text()) for i in range(2)] for tp in (2, 1)}
+def runs(tmp_path_factory) -> dict[int, list[dict]]:
+    """tp -> both ranks' measurements: one torchrun launch builds the tp=2 engine (one replica over
+    both ranks), then the tp=1 one (a replica per rank, with the one-replica checks)."""
+    out = tmp_path_factory.mktemp("vllm-engines")
+    _run(_torchrun(2, WORKER, str(out)), _env(TPS="2,1", PP="1"))
+    return {tp: [json.loads((out / f"tp{tp}-rank{i}.json").read_text()) for i in range(2)] for tp in (2, 1)}
 
 
 @needs_vllm
-def test_one_process_generate_hot_swap_greedy_eos_and_memory(single_run: dict) -> None:
-    r = single_run
+@pytest.mark.parametrize("tp", [2, 1])
+def test_two_processes_under_torchrun(runs: dict[int, list[dict]], tp: int) -> None:
+    """tp=2: one replica over both ranks (tensor-parallel hot-swap); tp=1: two independent replicas
+    (built in the same processes after the tp=2 engine was closed)."""
+    ranks = runs[tp]
+    layout = RolloutLayout(2, tp=tp).groups()
+    for r in ranks:
+        # vLLM's own groups are the project's rollout layout
+        assert [g for g in layout["tp"] if r["rank"] in g] == [r["vllm_tp"]]
+        assert [g for g in layout["pp"] if r["rank"] in g] == [r["vllm_pp"]]
+        _check_engine(r)
+    if tp == 2:  # same requests, same seeds: the ranks of a replica hold the same outputs
+        assert ranks[0]["a"] == ranks[1]["a"] and ranks[0]["b"] == ranks[1]["b"]
+    else:  # replicas sample with different seeds
+        assert ranks[0]["replica"] != ranks[1]["replica"] and ranks[0]["a"] != ranks[1]["a"]
+
+
+@needs_vllm
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_replica_hot_swaps_a_tied_head_answers_greedy_stops_at_eos_and_levels_off(runs, rank: int) -> None:
+    """The tp=1 replicas (one per rank) of a model whose ``lm_head`` is tied to the embedding."""
+    r = runs[1][rank]
     print(f"\nvLLM engine start {r['start_s']:.1f} s, first generate {r['gen_s']:.2f} s")
-    assert r["vllm_tp"] == [0] and r["vllm_pp"] == [0]
+    assert r["vllm_tp"] == [rank] and r["vllm_pp"] == [rank]
     assert r["tied"], "this run checks the hot-swap of a tied lm_head (vLLM processes it apart)"
-    _check_engine(r)
     # greedy answers equal transformers' generate on the hot-swapped weights
     assert r["greedy"] == r["greedy_hf"]
     # an EOS id (the model's own, or a frequent token made one) ends a row at its first
@@ -134,21 +146,10 @@ def test_one_process_generate_hot_swap_greedy_eos_and_memory(single_run: dict) -
 
 
 @needs_vllm
-@pytest.mark.parametrize("tp", [2, 1])
-def test_two_processes_under_torchrun(spmd_runs: dict[int, list[dict]], tp: int) -> None:
-    """tp=2: one replica over both ranks (tensor-parallel hot-swap); tp=1: two independent replicas
-    (built in the same processes after the tp=2 engine was closed)."""
-    ranks = spmd_runs[tp]
-    layout = RolloutLayout(2, tp=tp).groups()
-    for r in ranks:
-        # vLLM's own groups are the project's rollout layout
-        assert [g for g in layout["tp"] if r["rank"] in g] == [r["vllm_tp"]]
-        assert [g for g in layout["pp"] if r["rank"] in g] == [r["vllm_pp"]]
-        _check_engine(r)
-    if tp == 2:  # same requests, same seeds: the ranks of a replica hold the same outputs
-        assert ranks[0]["a"] == ranks[1]["a"] and ranks[0]["b"] == ranks[1]["b"]
-    else:  # replicas sample with different seeds
-        assert ranks[0]["replica"] != ranks[1]["replica"] and ranks[0]["a"] != ranks[1]["a"]
+def test_core_does_not_import_vllm(runs: dict[int, list[dict]]) -> None:
+    """Imported by the interpreter that has vLLM (where an import of it would succeed), the trainer's
+    modules leave it out of ``sys.modules``: the worker records it before it builds an engine."""
+    assert all(r["core_imported_vllm"] is False for r in runs[2] + runs[1])
 
 
 def _tiny_grpo_flags() -> list[str]:
@@ -161,17 +162,17 @@ def _tiny_grpo_flags() -> list[str]:
 
 
 @needs_vllm
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_grpo_run_with_vllm_tp2_and_is_correction(tmp_path: Path, lora: bool) -> None:
-    """vLLM is hot-swapped after every update; with LoRA it gets the merged weights (W + scale B A),
-    so its log-probs still match the actor's, adapters on."""
+def test_grpo_run_with_vllm_tp2_lora_and_is_correction(tmp_path: Path) -> None:
+    """vLLM over the whole world (colocated with the actor, tp 2), hot-swapped after every update;
+    the actor trains LoRA adapters, so vLLM gets the merged weights (W + scale B A) and its log-probs
+    still match the actor's, adapters on. (Full weights: the rollout-pool runs below.)"""
     out = tmp_path / "run"
     flags = [
         *_tiny_grpo_flags(),
         "--logging.wandb", "off", "--logging.no-console", "--trainer.val-every", "3",
         "--rollout.backend", "vllm", "--rollout.tp", "2", "--algo.rollout-is", "token_truncated",
         "--trainer.total-steps", "3", "--trainer.output-dir", str(out),
-        *(["--actor.lora.rank", "8", "--actor.lora.alpha", "16", "--actor.lr", "3e-2"] if lora else []),
+        "--actor.lora.rank", "8", "--actor.lora.alpha", "16", "--actor.lr", "3e-2",
     ]
     _run(_torchrun(2, "-m", "spmd_rl.train", *flags), _env())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -186,16 +187,9 @@ def test_grpo_run_with_vllm_tp2_and_is_correction(tmp_path: Path, lora: bool) ->
         assert m["rollout/logprob_abs_diff"] < MEAN_TOL
         assert abs(m["rollout/is_weight_mean"] - 1.0) < 1e-4 and m["rollout/is_clip_frac"] == 0.0
         assert m["response_length/mean"] > 0
-    # validation is generated by vLLM too: it sees the trained weights (the score moves; three steps of
-    # rank-8 adapters need not move a greedy score, and the log-prob match above already shows them)
-    assert [m["step"] for m in vals] == [0, 3] and (lora or vals[1]["val/score"] != vals[0]["val/score"])
-
-
-@needs_vllm
-def test_core_does_not_import_vllm(single_run: dict) -> None:
-    """Imported by the interpreter that has vLLM (where an import of it would succeed), the trainer's
-    modules leave it out of ``sys.modules``: the worker records it before it builds an engine."""
-    assert single_run["core_imported_vllm"] is False
+    # validation is generated by vLLM too, on the weights whose log-probs matched above (three steps of
+    # rank-8 adapters need not move a greedy score)
+    assert [m["step"] for m in vals] == [0, 3]
 
 
 def _vllm_shard(name: str, hf: dict, tp: int, t: int, vocab_rows: int) -> tuple[torch.Tensor, int]:
@@ -226,12 +220,12 @@ def _vllm_shard(name: str, hf: dict, tp: int, t: int, vocab_rows: int) -> tuple[
 
 
 @needs_vllm
-@pytest.mark.parametrize("engine", ["fsdp", "megatron"])
-def test_vllm_on_a_rollout_pool_of_its_own(tmp_path: Path, engine: str) -> None:
-    """4 processes: the actor on global ranks 0-1 (FSDP 2, or megatron tp 2), vLLM tp 2 on a rollout
-    pool (ranks 2-3) whose groups span those two ranks only. After every update the weights vLLM holds
-    on each tp rank are the actor's, bit for bit, and its log-probs of the sampled tokens match the
-    actor's."""
+def test_vllm_on_a_rollout_pool_of_its_own(tmp_path: Path) -> None:
+    """4 processes: the actor on global ranks 0-1 (megatron tp 2, whose tensors are gathered and
+    renamed to the Hugging Face layout on the way), vLLM tp 2 on a rollout pool (ranks 2-3) whose
+    groups span those two ranks only. After every update the weights vLLM holds on each tp rank are
+    the actor's, bit for bit, and its log-probs of the sampled tokens match the actor's. (The FSDP
+    actor's full tensors take the same bridge: tests/test_pools.py; into vLLM: the run above.)"""
     out, taps = tmp_path / "run", tmp_path / "taps"
     taps.mkdir()
     flags = [
@@ -239,7 +233,7 @@ def test_vllm_on_a_rollout_pool_of_its_own(tmp_path: Path, engine: str) -> None:
         "--logging.wandb", "off", "--logging.no-console", "--trainer.val-every", "0",
         "--rollout.backend", "vllm", "--rollout.tp", "2", "--pools.rollout-ranks", "2",
         "--algo.rollout-is", "token_truncated", "--trainer.total-steps", "3", "--trainer.output-dir", str(out),
-        "--actor.engine", engine, *(["--actor.megatron.tp", "2"] if engine == "megatron" else []),
+        "--actor.engine", "megatron", "--actor.megatron.tp", "2",
     ]
     _run(_torchrun(4, os.path.join(HERE, "support", "vllm_pool_run.py"), *flags), _env(TAP_DIR=str(taps)))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -47,8 +47,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-PRELOAD = ["torch", "torch.distributed", "transformers", "spmd_rl.trainer", "megatron.core"]
-"""Imported once by the fork server (a module that is not installed is skipped)."""
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor", "megatron.core", "tyro",
+           "transformers", "transformers.modeling_utils", "transformers.generation",
+           "transformers.models.auto.tokenization_auto", "transformers.models.llama.modeling_llama",
+           "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3",
+           "spmd_rl.train", "spmd_rl.trainer", "spmd_rl.evaluate", "spmd_rl.critic", "spmd_rl.models.tokenizer",
+           "spmd_rl.engine.fsdp", "spmd_rl.engine.value", "spmd_rl.rollout.native", "spmd_rl.rollout.fast",
+           "spmd_rl.engine.megatron.engine"]
+"""Imported once by the fork server (a module that is not installed is skipped). The product imports
+most of these lazily, where a run first needs them (the layout tool imports no torch): listed here,
+each rank finds them imported instead of spending seconds on them."""
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any],

@@ -1,13 +1,14 @@
 """Measurements of the vLLM rollout engine, run with the Python that has vLLM (tests/test_vllm_rollout.py).
 
-    python tests/support/vllm_worker.py single OUT_DIR                  # one process
-    TPS=2,1 PP=1 torchrun --nproc-per-node 2 tests/support/vllm_worker.py spmd OUT_DIR
+    TPS=2,1 PP=1 torchrun --nproc-per-node 2 tests/support/vllm_worker.py OUT_DIR
 
-It only measures and writes ``OUT_DIR/<mode>-rank<R>.json`` (``spmd``: ``spmd-tp<TP>-rank<R>.json``
-for each TP of ``$TPS``, one engine after the other in the same processes: one launch, one vLLM
-import); the pytest side asserts. Model: the
-``tiny-random`` Llama (4 layers, hidden 256, head_dim 64, which vLLM's CPU attention supports; in
-``single`` mode with its ``lm_head`` tied to the embedding, as SmolLM2 has it), in float32, so vLLM and the FSDP engine can be compared tightly. The "trainer" log-probs come from
+It only measures and writes ``OUT_DIR/tp<TP>-rank<R>.json`` for each TP of ``$TPS``, one engine after
+the other in the same processes (one launch, one vLLM import); the pytest side asserts. Model: the
+``tiny-random`` Llama (4 layers, hidden 256, head_dim 64, which vLLM's CPU attention supports), in
+float32, so vLLM and the FSDP engine can be compared tightly; for ``tp = 1`` (a replica per rank)
+with its ``lm_head`` tied to the embedding, as SmolLM2 has it, and with the checks one replica can
+make alone: greedy answers against transformers' ``generate``, EOS ids, and resident memory over
+sleep / hot-swap / wake cycles. The "trainer" log-probs come from
 :class:`spmd_rl.engine.fsdp.FSDPEngine`, the engine the trainer uses, on the same world.
 """
 
@@ -45,7 +46,7 @@ def rss_mb() -> float:
 
 def perturbed_folder(base: str, out_dir: Path) -> str:
     """A copy of the model with every weight moved by N(0, 0.02 * std) noise (rank 0 writes it)."""
-    target = out_dir / "perturbed"
+    target = out_dir / f"perturbed-{Path(base).name}"
     if dist.get_rank() == 0 and not (target / "config.json").is_file():
         model = load_causal_lm(base, dtype=torch.float32)
         g = torch.Generator().manual_seed(123)
@@ -95,35 +96,35 @@ def init_world(again: int = 0) -> None:
                                 world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
 
-def main(mode: str, out_dir: Path) -> None:
+def main(out_dir: Path) -> None:
     os.environ["OUT_DIR"] = str(out_dir)
-    core_imported_vllm = None
-    if mode == "single":  # the trainer's modules, imported where vLLM is installed, must not import it
-        import spmd_rl.rollout  # noqa: F401
-        import spmd_rl.train  # noqa: F401
-        import spmd_rl.trainer  # noqa: F401
+    # the trainer's modules, imported where vLLM is installed, must not import it
+    import spmd_rl.rollout  # noqa: F401
+    import spmd_rl.train  # noqa: F401
+    import spmd_rl.trainer  # noqa: F401
 
-        core_imported_vllm = "vllm" in sys.modules
+    core_imported_vllm = "vllm" in sys.modules
     init_world()
     pp = int(os.environ.get("PP", "1"))
     for i, tp in enumerate(int(t) for t in os.environ.get("TPS", "1").split(",")):
         if not dist.is_initialized():  # the previous engine's shutdown destroyed the world
             init_world(again=i)
-        result = measure(mode, out_dir, tp, pp)
+        result = measure(out_dir, tp, pp)
         result["core_imported_vllm"] = core_imported_vllm
-        name = f"{mode}-rank{result['rank']}.json" if mode == "single" else f"{mode}-tp{tp}-rank{result['rank']}.json"
-        (out_dir / name).write_text(json.dumps(result))
+        (out_dir / f"tp{tp}-rank{result['rank']}.json").write_text(json.dumps(result))
     if dist.is_initialized():  # vLLM's engine shutdown may have torn the world down already
         dist.destroy_process_group()
 
 
-def measure(mode: str, out_dir: Path, tp: int, pp: int) -> dict:
-    """One vLLM engine of ``tp`` x ``pp`` on this world: what :func:`main` writes for it."""
+def measure(out_dir: Path, tp: int, pp: int) -> dict:
+    """One vLLM engine of ``tp`` x ``pp`` on this world: what :func:`main` writes for it (with
+    ``tp = 1``, a replica per rank: the tied model and the one-replica checks)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     from spmd_rl.rollout import build_rollout
 
     folder = str(materialise_tiny_random(cache_root(None), TinyShape(**TINY)))
-    if mode == "single":  # tied embeddings: the hot-swap must reach vLLM's processed lm_head too
+    replica_checks = tp == 1
+    if replica_checks:  # tied embeddings: the hot-swap must reach vLLM's processed lm_head too
         folder = tied_folder(folder, out_dir)
     tok = load_tokenizer(folder)
     prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
@@ -157,7 +158,8 @@ def measure(mode: str, out_dir: Path, tp: int, pp: int) -> dict:
     result["other_seed_differs"] = rows(engine.generate(prompts, seed=200 + replica, **sample)) != rows(a)
 
     # Hot-swap, in the trainer's order: sleep, load the actor's streamed full tensors, wake, generate.
-    new_fsdp = FSDPEngine(model_folder=perturbed_folder(folder, out_dir), mesh=mesh, device=torch.device("cpu"),
+    perturbed = perturbed_folder(folder, out_dir)
+    new_fsdp = FSDPEngine(model_folder=perturbed, mesh=mesh, device=torch.device("cpu"),
                           fsdp=FsdpConfig(), trainable=False, pad_token_id=tok.pad_token_id)
     engine.sleep(1)
     try:
@@ -172,10 +174,10 @@ def measure(mode: str, out_dir: Path, tp: int, pp: int) -> dict:
     result["b_logprob_vs_new_fsdp"] = logprob_diff(new_fsdp, b)
     result["b_logprob_vs_base_fsdp"] = logprob_diff(base_fsdp, b)
 
-    if mode == "single":
+    if replica_checks:
         # Greedy answers against transformers' own generate, one prompt at a time (no padding).
         greedy = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=MAX_NEW, seed=0)
-        model = load_causal_lm(out_dir / "perturbed", dtype=torch.float32)
+        model = load_causal_lm(perturbed, dtype=torch.float32)
         hf = []
         for p in prompts:
             ids = torch.tensor([p])
@@ -209,4 +211,4 @@ def measure(mode: str, out_dir: Path, tp: int, pp: int) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(Path(sys.argv[1]))
