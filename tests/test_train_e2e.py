@@ -49,10 +49,10 @@ def _check(proc: subprocess.CompletedProcess) -> None:
 
 def test_grpo_learns_under_torchrun(tmp_path):
     out = str(tmp_path / "run")
-    proc = torchrun(out, "--trainer.total-steps", "30")
+    proc = torchrun(out, "--trainer.total-steps", "15")  # the mean score climbs ~0.35 in 15 steps, ~0.8 in 30
     _check(proc)
     steps = [m for m in read_metrics(out) if "critic/score/mean" in m]
-    assert [m["step"] for m in steps] == list(range(1, 31))
+    assert [m["step"] for m in steps] == list(range(1, 16))
     first = sum(m["critic/score/mean"] for m in steps[:5]) / 5
     last = sum(m["critic/score/mean"] for m in steps[-5:]) / 5
     assert last > first + 0.15, f"reward did not rise: first 5 steps {first:.3f}, last 5 steps {last:.3f}"

@@ -162,19 +162,20 @@ def _tiny_grpo_flags() -> list[str]:
 
 
 @needs_vllm
-def test_grpo_run_with_vllm_tp2_lora_and_is_correction(tmp_path: Path) -> None:
-    """vLLM over the whole world (colocated with the actor, tp 2), hot-swapped after every update;
-    the actor trains LoRA adapters, so vLLM gets the merged weights (W + scale B A) and its log-probs
-    still match the actor's, adapters on. (Full weights: the rollout-pool runs below.)"""
+def test_grpo_run_with_vllm_lora_and_is_correction(tmp_path: Path) -> None:
+    """vLLM colocated with the actor (one process: the tp 2 hot-swap is the engine checks' and the
+    rollout pool's), hot-swapped after every update; the actor trains LoRA adapters, so vLLM gets
+    the merged weights (W + scale B A) and its log-probs still match the actor's, adapters on.
+    (Full weights: the rollout-pool run below.)"""
     out = tmp_path / "run"
     flags = [
         *_tiny_grpo_flags(),
         "--logging.wandb", "off", "--logging.no-console", "--trainer.val-every", "3",
-        "--rollout.backend", "vllm", "--rollout.tp", "2", "--algo.rollout-is", "token_truncated",
+        "--rollout.backend", "vllm", "--algo.rollout-is", "token_truncated",
         "--trainer.total-steps", "3", "--trainer.output-dir", str(out),
         "--actor.lora.rank", "8", "--actor.lora.alpha", "16", "--actor.lr", "3e-2",
     ]
-    _run(_torchrun(2, "-m", "spmd_rl.train", *flags), _env())
+    _run(_torchrun(1, "-m", "spmd_rl.train", *flags), _env())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in rows if "rollout/logprob_abs_diff" in m]
     vals = [m for m in rows if "val/score" in m]

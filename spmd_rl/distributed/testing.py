@@ -102,6 +102,14 @@ def _program_worker(module: str, argv: list[str], environ: dict[str, str], cwd: 
     exit_now(run_entry(importlib.import_module(module).main, argv))
 
 
+def _read(path: str, missing: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return missing
+
+
 def run_program(module: str, argv: list[str], *, nproc: int, env: dict[str, str] | None = None,
                 cwd: str | None = None, timeout: float = 600.0, grace_s: float = 10.0) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node nproc -m module *argv``, without torchrun: ``module.main(argv)`` on
@@ -138,7 +146,9 @@ def run_program(module: str, argv: list[str], *, nproc: int, env: dict[str, str]
             time.sleep(0.05)
         if code == 0:
             code = next((p.exitcode for p in procs if p.exitcode), 0)
-        text = [[open(os.path.join(logs, f"{r}.{kind}")).read() for r in range(nproc)] for kind in ("out", "err")]
+        # a rank that died before it took its files over (e.g. unpicklable arguments) left none
+        text = [[_read(os.path.join(logs, f"{r}.{kind}"), f"rank {r} exited with code {procs[r].exitcode} "
+                       "before it started\n" if kind == "err" else "") for r in range(nproc)] for kind in ("out", "err")]
     return subprocess.CompletedProcess([module, *argv], code, "".join(text[0]), "".join(text[1]))
 
 
