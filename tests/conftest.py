@@ -40,6 +40,10 @@ import tempfile  # noqa: E402
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "alone: run with no other test beside it (under pytest-xdist)")
+    # pytest-xdist's default (``--loadscope-reorder``) hands out ``--dist loadfile``'s files by their
+    # number of tests, most first: that would start the few-test, minutes-long files (below) last
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 @pytest.fixture(autouse=True)
@@ -61,13 +65,14 @@ def _machine_share(request: pytest.FixtureRequest):
 # of several minutes (vLLM's subprocesses, the launchers' fault tests) would run alone at the end
 # while the other worker idles; started first, the short files fill in around it. Ordered by each
 # file's measured total (longest first).
-LONG_FILES = ("test_vllm_rollout.py", "test_async.py", "test_pools.py", "test_slurm.py", "test_checkpoint.py",
-              "test_multinode.py", "test_train_e2e.py", "test_reward_pool.py", "test_process_lifecycle.py",
-              "test_lora.py", "test_models.py", "test_megatron_parity.py", "test_megatron_pools.py",
-              "test_fsdp_parity.py", "test_critic.py", "test_dapo.py", "test_nonfinite.py", "test_fsdp_depth.py",
-              "test_checkpoint_faults.py", "test_attention.py", "test_evaluate.py", "test_megatron_e2e.py",
-              "test_rollout_contbatch.py", "test_megatron_cp.py", "test_rollout_fast.py",
-              "test_megatron_families.py")
+LONG_FILES = ("test_vllm_rollout.py", "test_process_lifecycle.py", "test_async.py", "test_pools.py",
+              "test_checkpoint.py", "test_multinode.py", "test_train_e2e.py", "test_slurm.py",
+              "test_reward_pool.py", "test_critic.py", "test_checkpoint_faults.py", "test_lora.py",
+              "test_models.py", "test_fsdp_parity.py", "test_megatron_parity.py", "test_megatron_cp.py",
+              "test_megatron_pools.py", "test_fsdp_depth.py", "test_dapo.py", "test_rollout_fast.py",
+              "test_doc_commands.py", "test_config.py", "test_megatron_state.py", "test_nonfinite.py",
+              "test_megatron_e2e.py", "test_megatron_families.py", "test_attention.py",
+              "test_rollout_contbatch.py", "test_rollout.py", "test_evaluate.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
