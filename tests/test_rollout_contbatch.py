@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from test_rollout_fast import (
     CUDA,
     DEVICES,
-    VOCAB,
     assert_same,
     build,
     early_eos,
     engine,
     greedy,
+    random_prompts,
     responses,
     teacher_forced_logprobs,
 )
@@ -42,8 +42,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
+    return random_prompts(LENGTHS, seed=3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -76,10 +76,15 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fast_models")
 
 
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    """Prompts of random token ids (none of them pad 0 or the ids below 3), one per length."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
+    return random_prompts(LENGTHS, seed=1)
 
 
 def engine(folder: str, device: str = "cpu", *, fast: bool = True, batch_size: int = 4, eos: int = VOCAB,

@@ -16,7 +16,7 @@ import pytest
 import torch
 from support.numerics import perturbed_copy
 from test_partial import TEMPERATURE, recomputed
-from test_rollout_fast import VOCAB, build, early_eos, engine, greedy, responses
+from test_rollout_fast import build, early_eos, engine, greedy, random_prompts, responses
 
 LENGTHS = [5, 13, 2, 9, 17, 7, 11, 3]
 
@@ -28,8 +28,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in LENGTHS]
+    return random_prompts(LENGTHS, seed=3)
 
 
 def trickle(prompts: list[list[int]], n: int, per_look: int):
