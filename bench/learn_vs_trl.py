@@ -65,6 +65,18 @@ bf16 (``unwrapped_model.to(torch.bfloat16)``, never cast back, as read in TRL 1.
 after which AdamW's 2e-6 steps fall below bf16's spacing (2^-8 of a weight) and the policy barely
 moves; bf16 weights from the start (``dtype="auto"``) fail the same way.
 
+**TRL's attention.** TRL trains on left-padded prompts through transformers' stock SDPA attention
+with a padding mask, in which the padding of short prompts makes fully masked query rows. On an
+H200 torch picks its cuDNN attention for that mask, whose backward returned NaN gradients from
+finite inputs in this project's engine before it got its own attention (``docs/RESULTS.md``,
+"Non-finite gradients"). transformers' Trainer applies such a step (its norm clip does not catch
+NaN), and the next ``generate`` stops on NaN probabilities. So the TRL side
+turns torch's cuDNN attention off (``--trl-attention sdpa-no-cudnn``, the default; SDPA then takes
+its memory-efficient kernel), and counts the optimizer steps whose gradients were not finite
+(``trl/nonfinite_grad_steps`` in the summary line): none in 248 steps on an H200, where a run with
+cuDNN attention on had stopped at step 120 (docs/PERF.md).
+``--trl-attention sdpa`` keeps torch's choice, ``eager`` uses transformers' eager attention.
+
 **Why 64 x 4 completed no optimizer step in 100 s** (``per_device_train_batch_size=64,
 gradient_accumulation_steps=4, num_generations=8``, the other settings left at TRL 1.16's
 defaults). That batch is right: ``steps_per_generation`` defaults to the accumulation steps, so
@@ -289,12 +301,25 @@ def run_trl(args: argparse.Namespace, out_dir: str) -> tuple[list[dict], dict]:
             control.should_training_stop = control.should_training_stop or out_of_time
             self.since = time.perf_counter()
 
+    if args.trl_attention == "sdpa-no-cudnn":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    nonfinite: list[int] = []
+
+    class GradWatch(TrainerCallback):
+        """The optimizer steps whose gradients hold a NaN or inf (one fused norm per step)."""
+
+        def on_pre_optimizer_step(self, a, state, control, model=None, **_):
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if grads and not torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum()):
+                nonfinite.append(state.global_step + 1)
+
     # fp32 master weights as ours (bf16 weights would round AdamW's 2e-6 steps away); the same stop tokens
     # as our rollout (EOS and the chat's end-of-turn ids): TRL ends a completion at generation_config's ids
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    attention = "eager" if args.trl_attention == "eager" else "sdpa"
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attention)
     model.generation_config.eos_token_id = eos_token_ids(tokenizer)
     trainer = GRPOTrainer(model=model, reward_funcs=[sums_reward], args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[Clock()])
+                          processing_class=tokenizer, callbacks=[Clock(), GradWatch()])
     # TRL's own phase timers (profiling/...) report only to wandb / mlflow / trackio: time its generation and
     # reward calls here instead (private methods of TRL 1.16; skipped when absent)
     phase_s = {"gen": 0.0, "reward": 0.0}
@@ -313,6 +338,7 @@ def run_trl(args: argparse.Namespace, out_dir: str) -> tuple[list[dict], dict]:
               if logs and all(k in r for r in logs)}
     steps_run = max(trainer.state.global_step, 1)
     phases.update({f"trl/{k}_s_per_step": round(v / steps_run, 4) for k, v in phase_s.items()})
+    phases["trl/nonfinite_grad_steps"] = nonfinite[:20]
     if failed:
         phases["trl/failed"] = failed
     try:  # after a device-side assert the CUDA context is gone: nothing more to free
@@ -418,10 +444,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="TRL: completions per forward/backward (per_device_train_batch_size)")
     p.add_argument("--trl-generation", choices=["generate", "continuous"], default="generate",
                    help="TRL: HF generate, or transformers' continuous batching (casts the policy to bf16)")
+    p.add_argument("--trl-attention", choices=["sdpa-no-cudnn", "sdpa", "eager"], default="sdpa-no-cudnn",
+                   help="TRL: transformers' SDPA with torch's cuDNN attention off (its backward can return NaN "
+                   "for the fully masked rows of left padding), SDPA as torch picks it, or eager attention")
     p.add_argument("--trl-max-train-s", type=float, default=0.0,
                    help="TRL: stop (and evaluate) once its training clock passes this many seconds (0 = no limit)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", default=None, help="append JSON lines here")
+    p.add_argument("--runs-dir", default=None, help="keep each side's run folder (our metrics.jsonl) under this "
+                   "folder (default: a temporary one)")
     p.add_argument("--report", default=None, help="only print the table of the JSON lines in this file (--out of "
                    "earlier runs, e.g. one per side; the last run of each side counts)")
     args = p.parse_args(argv)
@@ -435,13 +466,14 @@ def main(argv: list[str] | None = None) -> None:
     curves: dict[str, list[dict]] = {}
     extra: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        runs = args.runs_dir or tmp
         for side in args.sides:
             start = time.perf_counter()
             try:
                 if side == "trl":
-                    curves[side], extra[side] = run_trl(args, os.path.join(tmp, side))
+                    curves[side], extra[side] = run_trl(args, os.path.join(runs, side))
                 else:
-                    curves[side] = run_ours(args, {"s0": 0, "s1": 1}[side], os.path.join(tmp, side))
+                    curves[side] = run_ours(args, {"s0": 0, "s1": 1}[side], os.path.join(runs, side))
             except Exception as e:  # noqa: BLE001 - report the other sides (e.g. without trl installed)
                 print(f"{SIDES[side]}: FAILED {type(e).__name__}: {str(e)[-1500:]}", flush=True)
                 continue
