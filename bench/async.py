@@ -7,6 +7,7 @@ from the synchronous run's measured times and the response-length distribution.
     python bench/async.py --length-dist lognormal --min-new-tokens 64 --max-new-tokens 2048   # long tail
     python bench/async.py --length-dist lognormal --partial       # S > 0 with partial rollouts
     python bench/async.py --length-dist lognormal --stream both   # S > 0 by rounds and with streamed groups
+    python bench/async.py --length-dist lognormal --stream on --stage-weights both   # streamed, weights staged or not
     python bench/async.py --device cpu --model tiny-random --max-new-tokens 48 --prompts 8   # CPU smoke run
 
 Each staleness is one ``torchrun -m spmd_rl.train`` with ``--pools.rollout-ranks`` = half the
@@ -17,7 +18,9 @@ truncated IS on. Per run: the median over steps 3.. of the step time, samples/s,
 ``async/actor_idle_frac`` (the actor waiting for rows or for the rollout to take its weights) and
 ``async/rollout_idle_frac``, the share of rows continued under newer weights (``--partial``) and the
 mean score of the last steps. ``--stream on`` runs S > 0 with ``rollout.stream`` (groups taken as
-they complete), ``--stream both`` each S > 0 both ways (rows marked ``s``). "model" is the speed-up ``bench/async_sim.py`` predicts from the
+they complete), ``--stream both`` each S > 0 both ways (rows marked ``s``); ``--stage-weights``
+likewise with ``rollout.stage_weights`` (rows marked ``w``: the actor's weight sync does not wait
+for the round in progress or the stream's drain). "model" is the speed-up ``bench/async_sim.py`` predicts from the
 synchronous run's generation, actor and weight-sync times and the length distribution, for two pools
 that share nothing; on one GPU the two processes share its compute and memory bandwidth, so the
 measured speed-up stays below it. ``--out`` appends the rows as JSON lines.
@@ -39,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_sim import Costs, predict, round_drawer  # noqa: E402 - bench/ on the path first
 
 
-def run(staleness: int, args: argparse.Namespace, out_dir: str, *, stream: bool = False) -> list[dict]:
+def run(staleness: int, args: argparse.Namespace, out_dir: str, *, stream: bool = False,
+        staged: bool = False) -> list[dict]:
     flags = ["--model.path", args.model, "--data.train-batch-size", str(args.prompts), "--rollout.n", str(args.n),
              "--rollout.max-new-tokens", str(args.max_new_tokens), "--rollout.ignore-eos",
              "--actor.ppo-mini-batch-size", str(args.prompts), "--actor.micro-batch-size", str(args.micro_batch),
@@ -49,6 +53,7 @@ def run(staleness: int, args: argparse.Namespace, out_dir: str, *, stream: bool 
              "--rollout.min-new-tokens", str(min(args.min_new_tokens, args.max_new_tokens)),
              *(["--rollout.partial"] if args.partial and staleness else []),
              *(["--rollout.stream"] if stream and staleness else []),
+             *(["--rollout.stage-weights"] if staged and staleness else []),
              "--trainer.total-steps", str(args.steps), "--trainer.val-every", "0", "--trainer.device", args.device,
              "--logging.wandb", "off", "--logging.no-console", "--checkpoint.no-save-final",
              "--trainer.output-dir", out_dir]
@@ -77,12 +82,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--partial", action="store_true", help="S > 0 with rollout.partial")
     p.add_argument("--stream", default="off", choices=["off", "on", "both"],
                    help="S > 0 with rollout.stream (on), or both ways (both)")
+    p.add_argument("--stage-weights", default="off", choices=["off", "on", "both"],
+                   help="S > 0 with rollout.stage_weights (on), or both ways (both)")
     p.add_argument("--batch-size", type=int, default=64, help="rollout.batch_size")
     p.add_argument("--micro-batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.partial and args.stage_weights != "off":
+        p.error("--partial loads weights mid-round and --stage-weights after it: choose one")
     lengths = (f"{args.max_new_tokens}" if args.length_dist == "model"
                else f"{args.length_dist} {args.min_new_tokens}..{args.max_new_tokens}")
     print(f"async GRPO: {args.model}, {args.prompts} prompts x {args.n} x {lengths} tokens, "
@@ -95,9 +104,11 @@ def main(argv: list[str] | None = None) -> None:
     draw = round_drawer(length_dist=args.length_dist, low=min(args.min_new_tokens, args.max_new_tokens),
                         high=args.max_new_tokens, rows=args.prompts * args.n // max(args.nproc // 2, 1))
     with tempfile.TemporaryDirectory() as tmp:
-        modes = {"off": [False], "on": [True], "both": [False, True]}[args.stream]
-        for s, stream in [(s, m) for s in args.staleness for m in (modes if s else [False])]:
-            rows = [r for r in run(s, args, os.path.join(tmp, f"s{s}{'s' * stream}"), stream=stream)
+        ways = {"off": [False], "on": [True], "both": [False, True]}
+        variants = [(stream, staged) for stream in ways[args.stream] for staged in ways[args.stage_weights]]
+        for s, (stream, staged) in [(s, v) for s in args.staleness for v in (variants if s else [(False, False)])]:
+            mark = "s" * stream + "w" * staged
+            rows = [r for r in run(s, args, os.path.join(tmp, f"s{s}{mark}"), stream=stream, staged=staged)
                     if r["step"] >= 3]
             med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)  # noqa: E731
             step = med("timing_s/step")
@@ -112,12 +123,13 @@ def main(argv: list[str] | None = None) -> None:
                 idle = ((gen + sync) / step, 1.0 - gen / step)
             else:
                 idle = (med("async/actor_idle_frac"), med("async/rollout_idle_frac"))
-            row = {"staleness": s, "stream": stream, "s_per_step": step, "samples_per_s": args.prompts * args.n / step, "speedup": speed,
+            row = {"staleness": s, "stream": stream, "stage_weights": staged, "s_per_step": step,
+                   "samples_per_s": args.prompts * args.n / step, "speedup": speed,
                    "model_speedup": predicted_steps[0] / predicted_steps[s] if predicted_steps else None,
                    "actor_idle_frac": idle[0], "rollout_idle_frac": idle[1], "partial_frac": med("async/partial_frac"),
                    "score_last": statistics.mean(r["critic/score/mean"] for r in rows[-3:])}
             predicted = f"{row['model_speedup']:6.2f}" if row["model_speedup"] else "     -"
-            print(f"{str(s) + (' s' if stream else ''):>9s} {step:7.3f} {row['samples_per_s']:9.1f} {speed:8.2f} {predicted} {idle[0]:10.2f} "
+            print(f"{f'{s} {mark}'.strip():>9s} {step:7.3f} {row['samples_per_s']:9.1f} {speed:8.2f} {predicted} {idle[0]:10.2f} "
                   f"{idle[1]:12.2f} {row['partial_frac']:7.2f} {row['score_last']:6.3f}", flush=True)
             if args.out:
                 with open(args.out, "a") as f:

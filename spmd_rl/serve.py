@@ -42,7 +42,8 @@ def serve_pool(cfg: Config, env: DistEnv, groups: RunGroups) -> int:
         try:
             # never asleep: its memory is its own (its pool's ranks, or its capped share of a shared GPU)
             serving = dict(engine=engine, link=groups.rollout_link, replica=replica, sleep_level=0,
-                           partial=cfg.rollout.partial, partial_chunk=cfg.rollout.partial_chunk)
+                           partial=cfg.rollout.partial, partial_chunk=cfg.rollout.partial_chunk,
+                           stage_weights=cfg.rollout.stage_weights)
             if cfg.rollout.stream:
                 from spmd_rl.rollout.pool_stream import StreamServer
 

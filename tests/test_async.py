@@ -6,7 +6,9 @@
 * generation overlaps the update on a long-tailed workload: a step takes less than generating plus
   updating, and S = 1 is faster than S = 0 by about what bench/async_sim.py predicts;
 * partial rollouts: rows continue under weights that arrive mid-round, fresh tokens carry the new
-  policy's log-probs.
+  policy's log-probs;
+* staged weights: the actor's weight sync no longer waits for the round in progress, and nothing
+  trained on changes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from test_pools import run_ok
+from test_pools import assert_same, learning_metrics, run_ok
 from test_train_e2e import read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -116,20 +118,24 @@ def test_partial_rollouts_continue_under_new_weights(tmp_path):
     assert all(m["response_length/max"] <= 16 and m["response_length/min"] >= 4 for m in steps)
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["drain", "partial"])
+@pytest.mark.parametrize("partial", [False, True], ids=["staged-drain", "partial"])
 def test_streamed_groups_keep_staleness_bounded_end_to_end(tmp_path, partial: bool):
     """``rollout.stream`` with S = 1 on 2 actor + 2 rollout ranks (the controller takes groups from
     both rollout ranks and hands the other actor rank its rows), response lengths drawn per row (a
     long tail): every step trains on complete groups none more than S versions old, the queue stays
-    within (S + 1) x train_batch_size groups, validation drains the stream and runs between steps;
-    with ``rollout.partial`` the weights reach the rollout mid-stream (the other path of its server).
+    within (S + 1) x train_batch_size groups, validation drains the stream and runs between steps.
+    Without ``rollout.partial`` new weights drain the stream, received into a staging copy
+    (``rollout.stage_weights``; the resumed run drains without it); with it the weights reach the
+    rollout mid-stream (the other path of its server).
     Which groups a step takes depends on timing: tests/test_stream_groups.py checks that order."""
     out = str(tmp_path / "run")
     run_ok(out, "--pools.rollout-ranks", "2", "--algo.rollout-is", "token_truncated", "--trainer.max-staleness", "1",
            "--rollout.stream", "--rollout.token-delay-s", "0.05", "--rollout.max-new-tokens", "16",
            "--rollout.ignore-eos", "--rollout.length-dist", "lognormal", "--rollout.min-new-tokens", "2",
            "--trainer.total-steps", "4", "--trainer.val-every", "2",
-           *(["--rollout.partial", "--rollout.partial-chunk", "2"] if partial else ["--checkpoint.every", "2", "--checkpoint.keep", "2"]),
+           *(["--rollout.partial", "--rollout.partial-chunk", "2"] if partial else
+             ["--rollout.stage-weights", "--rollout.partial-chunk", "2", "--checkpoint.every", "2",
+              "--checkpoint.keep", "2"]),
            nproc=4)
     metrics = read_metrics(out)
     assert sum("val/accuracy" in m for m in metrics) == 3  # steps 0, 2 and 4
@@ -150,3 +156,25 @@ def test_streamed_groups_keep_staleness_bounded_end_to_end(tmp_path, partial: bo
         again = [m for m in read_metrics(resumed) if "async/staleness/max" in m]
         assert [m["step"] for m in again] == [3, 4]
         assert again[0]["async/staleness/max"] == 0  # generated from the resumed weights (version 2)
+
+
+def test_staged_weights_free_the_actor_and_change_no_sample(tmp_path):
+    """``rollout.stage_weights`` with S = 1 and a rollout slower than the update: the weights of update
+    t arrive in the middle of round t + 1, are received at the rollout's next look into a staging
+    copy and loaded when the round ends. The actor's weight sync no longer waits for the round (here
+    it waits for round t + 1's rows instead, generation being the slower half), and the run is the
+    same run: first in, first out, every round is generated with the same weights as without
+    staging, so every step's samples, scores, losses and staleness are equal."""
+    flags = [*POOL, "--trainer.max-staleness", "1", "--rollout.token-delay-s", "0.1", "--rollout.max-new-tokens", "12",
+             "--rollout.ignore-eos", "--rollout.partial-chunk", "2", "--trainer.total-steps", "4"]
+    run_ok(str(tmp_path / "waits"), *flags, nproc=2)
+    run_ok(str(tmp_path / "staged"), *flags, "--rollout.stage-weights", nproc=2)
+    timing = ("async/actor_idle_frac", "async/rollout_idle_frac", "async/rollout_busy_s")
+    waits, staged = ([{k: v for k, v in m.items() if k not in timing} for m in learning_metrics(str(tmp_path / r))]
+                     for r in ("waits", "staged"))
+    assert_same(waits, staged, "rollout.stage_weights changed what was trained on")
+    wait = {r: [m["timing_s/wait_weights"] for m in read_metrics(str(tmp_path / r)) if m["step"] >= 2
+                and "timing_s/wait_weights" in m] for r in ("waits", "staged")}
+    # a round is ~12 x 0.1 s of decoding; the update ~0.3 s: without staging the sync waits ~0.8 s for the
+    # round to end, with it at most one look (2 decode steps, 0.2 s) plus the transfer
+    assert statistics.median(wait["staged"]) < 0.5 * statistics.median(wait["waits"]), wait

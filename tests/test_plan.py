@@ -89,6 +89,12 @@ RULES = [
      "the actor trains on earlier ones, which needs a rollout pool and prompts in flight (pools.rollout_ranks=1, "
      "trainer.max_staleness=0): set --pools.rollout-ranks N (N > 0) and --trainer.max-staleness S (S > 0), or drop "
      "--rollout.stream"),
+    (["--rollout.stage-weights"], 2, "rollout.stage_weights receives weights that arrive while a rollout pool "
+     "generates, which happens only with rounds in flight (pools.rollout_ranks=0, trainer.max_staleness=0): set "
+     "--pools.rollout-ranks N (N > 0) and --trainer.max-staleness S (S > 0), or drop --rollout.stage-weights"),
+    (["--rollout.stage-weights", "--rollout.partial", "--pools.rollout-ranks", "1", "--trainer.max-staleness", "1"], 2,
+     "rollout.stage_weights holds new weights until the round in progress ends, and rollout.partial loads them in "
+     "the middle of it: drop one of --rollout.stage-weights and --rollout.partial"),
     (["--rollout.backend", "vllm", "--rollout.length-dist", "lognormal", "--rollout.token-delay-s", "0.1"], 1,
      "rollout.length_dist and rollout.token_delay_s shape the built-in rollout's workload: use --rollout.backend "
      "native, or leave them unset with vllm"),
@@ -167,10 +173,13 @@ def test_partial_rollouts_and_streams_need_a_backend_that_can() -> None:
     from spmd_rl.distributed.plan import _check_in_flight
 
     for flag, needs in (("partial", "continues responses under new weights"),
-                        ("stream", "hands back each response as it finishes")):
-        cfg = load_config([f"--rollout.{flag}", "--pools.rollout-ranks", "1", "--trainer.max-staleness", "1"])
+                        ("stream", "hands back each response as it finishes"),
+                        ("stage_weights", "looks for new weights while it generates")):
+        cfg = load_config([f"--rollout.{flag.replace('_', '-')}", "--pools.rollout-ranks", "1",
+                           "--trainer.max-staleness", "1"])
         with pytest.raises(ValueError, match=re.escape(f"rollout.{flag} needs a rollout backend that {needs}; "
                                                        "rollout.backend=native does not: use --rollout.backend native")):
-            _check_in_flight(cfg, rollout_pool=True, backend=SimpleNamespace(partial=False, stream=False))
-        _check_in_flight(cfg, rollout_pool=True, backend=SimpleNamespace(partial=True, stream=True))
+            _check_in_flight(cfg, rollout_pool=True,
+                             backend=SimpleNamespace(partial=False, stream=False, stage_weights=False))
+        _check_in_flight(cfg, rollout_pool=True, backend=SimpleNamespace(partial=True, stream=True, stage_weights=True))
         assert plan(cfg, 2).rollout_pool.name == "rollout"

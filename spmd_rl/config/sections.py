@@ -131,7 +131,14 @@ class RolloutConfig:
     prefix prefilled again, so later log-probs are the new policy's), each token recording the policy
     version that sampled it. Off: new weights wait until the round being generated is done."""
     partial_chunk: int = 32
-    """`rollout.partial`: decode steps between two looks for new weights (one store read each)."""
+    """`rollout.partial` and `rollout.stage_weights`: decode steps between two looks for new weights
+    (one store read each)."""
+    stage_weights: bool = False
+    """A rollout pool with `trainer.max_staleness` > 0, without `rollout.partial`: weights that arrive
+    while the rollout generates are received at once into a staging copy (one more copy of the
+    weights in each rollout rank's memory; skipped, with a warning, when it does not fit) and loaded
+    when the round, or the stream's drain, ends. The actor goes on instead of waiting for the round
+    in progress; what is generated with which weights does not change. Off: the transfer waits."""
     stream: bool = False
     """Stream groups (a rollout pool with `trainer.max_staleness` > 0, built-in rollout): the rollout
     pool generates every issued prompt in one continuous batch and sends each group (a prompt's

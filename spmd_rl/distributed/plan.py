@@ -349,6 +349,8 @@ _IN_FLIGHT = {  # rollout flags that act while rows or weights are in flight: (w
                 "a rollout pool with rounds in flight", "continues responses under new weights"),
     "stream": ("sends groups from a rollout pool while the actor trains on earlier ones, which needs a rollout pool "
                "and prompts in flight", "hands back each response as it finishes"),
+    "stage_weights": ("receives weights that arrive while a rollout pool generates, which happens only with rounds "
+                      "in flight", "looks for new weights while it generates"),
 }
 
 
@@ -358,14 +360,19 @@ def _check_in_flight(cfg: Config, *, rollout_pool: bool, backend: Any) -> None:
     for flag, (does, needs) in _IN_FLIGHT.items():
         if not getattr(cfg.rollout, flag):
             continue
+        option = f"--rollout.{flag.replace('_', '-')}"
         if not rollout_pool or cfg.trainer.max_staleness == 0:
             raise ValueError(
                 f"rollout.{flag} {does} (pools.rollout_ranks={cfg.pools.rollout_ranks}, trainer.max_staleness="
                 f"{cfg.trainer.max_staleness}): set --pools.rollout-ranks N (N > 0) and --trainer.max-staleness S "
-                f"(S > 0), or drop --rollout.{flag}")
+                f"(S > 0), or drop {option}")
         if not getattr(backend, flag):
             raise ValueError(f"rollout.{flag} needs a rollout backend that {needs}; rollout.backend="
-                             f"{cfg.rollout.backend} does not: use --rollout.backend native, or drop --rollout.{flag}")
+                             f"{cfg.rollout.backend} does not: use --rollout.backend native, or drop {option}")
+    if cfg.rollout.stage_weights and cfg.rollout.partial:
+        raise ValueError("rollout.stage_weights holds new weights until the round in progress ends, and "
+                         "rollout.partial loads them in the middle of it: drop one of --rollout.stage-weights and "
+                         "--rollout.partial")
 
 
 def _memory_fractions(cfg: Config, specs: list[PoolSpec], world_size: int,

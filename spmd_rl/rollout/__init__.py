@@ -104,11 +104,14 @@ class BackendSpec:
     """Its ``generate`` takes a ``swap`` callback (``rollout.partial``: responses continued under new weights)."""
     stream: bool = False
     """It has ``stream(feed=, done=, ...)`` (``rollout.stream``: rows fed and handed back one by one)."""
+    stage_weights: bool = False
+    """Its ``generate`` and ``stream`` take a ``look`` callback, called while it decodes
+    (``rollout.stage_weights``: weights received into a staging copy mid-round)."""
 
 
 BACKENDS: dict[str, BackendSpec] = {
     "native": BackendSpec(factory=_native, options=_native_options, model_parallel=False, partial=True,
-                          stream=True),
+                          stream=True, stage_weights=True),
     "vllm": BackendSpec(factory=_vllm, options=_vllm_options, model_parallel=True,
                         pool_groups=_vllm_pool_groups, check=_vllm_check),
 }

@@ -623,7 +623,7 @@ class FastDecoder:
     def generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
         generator: torch.Generator, eos: torch.Tensor, max_new_per_row: list[int] | None = None,
-        interrupt: Callable[[int], bool] | None = None,
+        interrupt: Callable[[int], bool] | None = None, look: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """As ``NativeRollout._generate_chunk_hf``: ``tokens, mask, logprobs [b, t]`` and ``truncated [b]``,
         for any number of rows: at most ``max_batch`` decode at once and the others queue (in the order
@@ -632,16 +632,16 @@ class FastDecoder:
         ``interrupt(steps)``, called on the host after each decode step, ends the call there when it
         returns True (partial rollouts: the caller swaps weights and prefills the prefixes again); it
         needs every row in a slot from the start (at most ``max_batch`` rows), so that the rows still
-        going all hold ``steps`` tokens."""
+        going all hold ``steps`` tokens. ``look(steps)``, called likewise, ends nothing (any number of rows)."""
         with sdpa_kernel(ATTENTION_BACKENDS):
             return self._generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
                                         max_new_tokens=max_new_tokens, generator=generator, eos=eos,
-                                        max_new_per_row=max_new_per_row, interrupt=interrupt)
+                                        max_new_per_row=max_new_per_row, interrupt=interrupt, look=look)
 
     def _generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
         generator: torch.Generator, eos: torch.Tensor, max_new_per_row: list[int] | None,
-        interrupt: Callable[[int], bool] | None = None,
+        interrupt: Callable[[int], bool] | None = None, look: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         b, longest = len(rows), max(len(r) for r in rows)
         if interrupt is not None and b > self.buckets[-1]:
@@ -662,6 +662,8 @@ class FastDecoder:
         while True:
             self._decode(cur, span, mode, generator)
             step += 1
+            if look is not None:
+                look(step)
             if interrupt is not None and interrupt(step):
                 break
             if step % self.check_every:

@@ -156,10 +156,12 @@ class NativeRollout:
         seed: int,
         swap: Callable[[], bool] | None = None,
         swap_every: int = 32,
+        look: Callable[[], None] | None = None,
     ) -> GenerationOutput:
         """``swap``: partial rollouts; called between pieces of ``batch_size`` rows and every
         ``swap_every`` decode steps, it loads new weights into this engine when there are some and
-        returns True then (see the module docstring)."""
+        returns True then (see the module docstring). ``look``: called every ``swap_every`` decode
+        steps, never interrupts (``rollout.stage_weights``: the server receives weights meanwhile)."""
         check_sampling_args(prompt_ids, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                             max_new_tokens=max_new_tokens)
         self._check_awake("generate")
@@ -189,7 +191,7 @@ class NativeRollout:
             idx = order[start:start + piece]
             pieces.append((idx, self._generate_piece([rows[r] for r in idx], limits=limits and [limits[r] for r in idx],
                                                      max_new_tokens=max_new_tokens, swap=swap, swap_every=swap_every,
-                                                     **sampling)))
+                                                     look=look, **sampling)))
         width = max(max(int(out[1].sum(1).max()), 1) for _, out in pieces)
         out_tokens = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         out_mask = torch.zeros(len(rows), width, dtype=torch.float32)
@@ -210,9 +212,11 @@ class NativeRollout:
 
     @torch.no_grad()
     def stream(self, *, feed: Feed, done: Done, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
-               max_prompt_length: int, seed: int, swap: Callable[[], bool] | None = None, swap_every: int = 32) -> int:
+               max_prompt_length: int, seed: int, swap: Callable[[], bool] | None = None, swap_every: int = 32,
+               look: Callable[[], None] | None = None) -> int:
         """Generate rows as ``feed`` gives them and hand each to ``done`` as it finishes, until the feed
-        is dry and no row is live (:mod:`spmd_rl.rollout.stream`); returns the weight swaps made."""
+        is dry and no row is live (:mod:`spmd_rl.rollout.stream`); returns the weight swaps made.
+        ``swap`` and ``look`` as in :meth:`generate`."""
         check_sampling_args([[0]], n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
         self._check_awake("stream")
         if self.max_positions is not None and max_prompt_length + max_new_tokens > self.max_positions:
@@ -221,11 +225,11 @@ class NativeRollout:
                 f"the model's max_position_embeddings ({self.max_positions}); lower one of them")
         return run_stream(self, feed=feed, done=done, temperature=temperature, top_p=top_p, top_k=top_k,
                           max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length, seed=seed, swap=swap,
-                          swap_every=swap_every)
+                          swap_every=swap_every, look=look)
 
     def _generate_piece(
         self, rows: list[list[int]], *, limits: list[int] | None, max_new_tokens: int,
-        swap: Callable[[], bool] | None, swap_every: int, **sampling,
+        swap: Callable[[], bool] | None, swap_every: int, look: Callable[[], None] | None, **sampling,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One piece of at most ``batch_size`` rows: ``tokens, mask, logprobs, swaps [b, max_new_tokens]``
         and ``truncated [b]`` on the CPU. Interrupted by a weight swap, the rows still going continue
@@ -236,6 +240,11 @@ class NativeRollout:
         mask, logprobs = torch.zeros(b, max_new_tokens), torch.zeros(b, max_new_tokens)
         swaps, truncated = torch.zeros(b, max_new_tokens, dtype=torch.long), torch.ones(b, dtype=torch.bool)
         live, done = list(range(b)), 0  # the rows still going, and the tokens each of them holds
+
+        def looked(steps: int) -> None:
+            if steps % swap_every == 0:
+                look()
+
         while True:
             budget = max_new_tokens - done
             swapped: list[int] = []
@@ -251,7 +260,8 @@ class NativeRollout:
             chunk = self._generate_chunk(
                 [rows[i] + tokens[i, :done].tolist() for i in live], max_new_tokens=budget,
                 limits=None if limits is None else torch.tensor([limits[i] - done for i in live]),
-                interrupt=interrupt if swap is not None or self.token_delay_s else None, **sampling)
+                interrupt=interrupt if swap is not None or self.token_delay_s else None,
+                look=None if look is None else looked, **sampling)
             t_tok, t_mask, t_lp, t_trunc = (x.cpu() for x in chunk)
             where, width = torch.tensor(live, dtype=torch.long), t_tok.shape[1]
             tokens[where, done:done + width] = t_tok
@@ -272,21 +282,24 @@ class NativeRollout:
     def _generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
         generator: torch.Generator, limits: torch.Tensor | None = None, interrupt: Callable[[int], bool] | None = None,
+        look: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Generate for one chunk; returns ``tokens, mask, logprobs [b, t]`` and ``truncated [b]`` (on device).
-        ``limits [b]``: most tokens per row; ``interrupt(steps)`` True ends the chunk after that step."""
+        ``limits [b]``: most tokens per row; ``interrupt(steps)`` True ends the chunk after that step;
+        ``look(steps)`` is called after every decode step and ends nothing."""
         if self._fast is not None:
             return self._fast.generate_chunk(rows, temperature=temperature, top_k=top_k, top_p=top_p,
                                              max_new_tokens=max_new_tokens, generator=generator, eos=self._eos,
                                              max_new_per_row=None if limits is None else limits.tolist(),
-                                             interrupt=interrupt)
+                                             interrupt=interrupt, look=look)
         return self._generate_chunk_hf(rows, temperature=temperature, top_k=top_k, top_p=top_p,
                                        max_new_tokens=max_new_tokens, generator=generator, limits=limits,
-                                       interrupt=interrupt)
+                                       interrupt=interrupt, look=look)
 
     def _generate_chunk_hf(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,
         generator: torch.Generator, limits: torch.Tensor | None = None, interrupt: Callable[[int], bool] | None = None,
+        look: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The Hugging Face loop: left-padded prefill, then :meth:`_decode_step` over a ``DynamicCache``."""
         b, longest = len(rows), max(len(r) for r in rows)
@@ -320,6 +333,8 @@ class NativeRollout:
             if limits is not None:
                 finished |= limits <= step + 1
             steps = step + 1
+            if look is not None:
+                look(steps)
             if step == max_new_tokens - 1 or bool(finished.all()) or (interrupt is not None and interrupt(steps)):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(b, 1)], dim=1)
@@ -369,6 +384,18 @@ class NativeRollout:
                     raise ValueError(f"NativeRollout.load_weights: {name} has shape {tuple(tensor.shape)}, "
                                      f"the rollout model expects {tuple(target.shape)}")
                 target.copy_(tensor)
+
+    def room_for_weights(self) -> str | None:
+        """None when one more copy of the weights fits in this device's free memory (a staged transfer,
+        ``rollout.stage_weights``), else what is missing, in words."""
+        if self.device.type != "cuda":
+            return None
+        need = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        free, _ = torch.cuda.mem_get_info(self.device)  # the driver's free memory + what torch holds unused
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if need * 1.05 <= free:
+            return None
+        return f"a staging copy of the weights needs {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB is free"
 
     def sleep(self, level: int) -> None:
         """0: keep everything on the device (a no-op: the next rollout reuses the KV cache and the

@@ -29,7 +29,9 @@ before them are generated, unless ``rollout.partial``: then the engine asks the 
 c10d store (the weight transfers the controller announced, ``WEIGHTS_KEY``; a look that never
 blocks, which gloo's point-to-point receives cannot give) and, when a transfer is announced, takes
 the commands up to it (a later round's command with its prompts is kept for its turn), loads the
-weights mid-generation and tells the engine to continue the unfinished responses under them. Every
+weights mid-generation and tells the engine to continue the unfinished responses under them. With
+``rollout.stage_weights`` the same look (:meth:`RolloutServer.stage`) receives the transfer into a
+staging copy and keeps it for its turn, so the actor does not wait for the round to end. Every
 token carries the policy version of the weights that sampled it. A rollout rank that fails (loading weights or generating) answers the next round
 with its error, and every actor rank raises it; an actor rank that fails sends ``abort``.
 """
@@ -259,18 +261,23 @@ class RolloutServer:
     """The loop of a rollout-pool rank: commands from the controller until ``stop`` or ``abort``."""
 
     def __init__(self, *, link: RolloutLink, engine: Any, replica: int, sleep_level: int, partial: bool = False,
-                 partial_chunk: int = 32) -> None:
+                 partial_chunk: int = 32, stage_weights: bool = False) -> None:
         """``replica``: this rank's rollout data-parallel rank (added to training seeds, as colocated);
         ``partial``: load weights that arrive during a training round and continue its responses
-        under them, looking every ``partial_chunk`` decode steps (``rollout.partial``)."""
+        under them, looking every ``partial_chunk`` decode steps (``rollout.partial``);
+        ``stage_weights``: receive them then into a staging copy, loaded after the round
+        (``rollout.stage_weights``)."""
         self.link, self.engine, self.replica, self.sleep_level = link, engine, replica, sleep_level
-        self.partial, self.partial_chunk = partial, partial_chunk
+        self.partial, self.partial_chunk, self.stage_weights = partial, partial_chunk, stage_weights
+        self.staging_refused = False  # a staged copy did not fit once (warned once)
         self.where = f"rollout rank {link.rank} ({socket.gethostname()})"
         self.error: str | None = None  # a failure to report at the next round
         self.version = 0  # the policy version of the weights held
         self.weights_taken = 0  # weight transfers received (compared with the store's WEIGHTS_KEY)
         self.versions: list[int] = []  # the current round's weights: first, then one per swap
-        self.queued: list[tuple[str, Any, Any]] = []  # commands taken during a generation: (kind, payload, prompts)
+        # commands taken during a generation: (kind, payload, what came with it: a round's prompts, or the
+        # tensors of a staged weight transfer)
+        self.queued: list[tuple[str, Any, Any]] = []
         self.pending: list = []  # rows sent and not taken yet, with their buffers
 
     def serve(self) -> int:
@@ -290,11 +297,11 @@ class RolloutServer:
         """The next command: one taken during a generation, else the controller's next."""
         return self.queued.pop(0) if self.queued else (*recv_object(CONTROLLER)[1], None)
 
-    def _run(self, kind: str, payload: Any, prompts: list[list[int]] | None) -> None:
+    def _run(self, kind: str, payload: Any, held: Any) -> None:
         if kind == "weights":
-            self._load_weights(payload)
+            self._load_weights(payload, staged=held)
         elif kind == "generate":
-            self._generate(payload, prompts)
+            self._generate(payload, held)
         else:
             raise RuntimeError(f"{self.where}: unknown command {kind!r} from the controller")
 
@@ -312,11 +319,41 @@ class RolloutServer:
                 return True
             self.queued.append((kind, payload, self._prompts(payload) if kind == "generate" else None))
 
-    def _load_weights(self, version: int) -> None:
+    def stage(self) -> None:
+        """The engine's look during a training round with ``rollout.stage_weights``: a weight transfer
+        the controller announced is received now into a staging copy, so the actor goes on, and is
+        loaded when the round ends, in its turn (the commands before it are taken and kept, as
+        :meth:`swap` does). One transfer at most waits so: a second one waits for the first's load."""
+        if any(kind == "weights" for kind, *_ in self.queued) or int(_store().add(WEIGHTS_KEY, 0)) <= self.weights_taken:
+            return
+        while True:
+            _, (kind, payload) = recv_object(CONTROLLER)
+            if kind == "weights":
+                self.queued.append((kind, payload, self._receive_staged()))
+                return
+            self.queued.append((kind, payload, self._prompts(payload) if kind == "generate" else None))
+
+    def _receive_staged(self) -> list[tuple[str, torch.Tensor]] | None:
+        """A weight transfer's tensors, received now and held; None (received later, when loaded)
+        when one more copy of the weights does not fit in this rank's memory."""
         assert self.link.bridge is not None
+        short = self.engine.room_for_weights()
+        if short:
+            if not self.staging_refused:
+                log.warning("%s: rollout.stage_weights: %s; weights are received when the round ends", self.where,
+                            short)
+            self.staging_refused = True
+            return None
         self.weights_taken += 1
+        return list(self.link.bridge.receive())
+
+    def _load_weights(self, version: int, staged: list[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Load a transfer: received now, or held since :meth:`_receive_staged` (``staged``)."""
+        assert self.link.bridge is not None
+        if staged is None:
+            self.weights_taken += 1
         self.version = int(version)
-        tensors = self.link.bridge.receive()
+        tensors = self.link.bridge.receive() if staged is None else iter(staged)
         try:
             if self.error is None:
                 self.engine.load_weights(tensors)
@@ -325,6 +362,14 @@ class RolloutServer:
             log.exception("%s: loading the weights failed", self.where)
         for _ in tensors:  # receive the rest of the transfer, which the sender goes on broadcasting
             pass
+
+    def _hooks(self) -> dict[str, Any]:
+        """What the engine calls while it decodes a training round's (or the stream's) rows."""
+        if self.partial:
+            return {"swap": self.swap, "swap_every": self.partial_chunk}
+        if self.stage_weights:
+            return {"look": self.stage, "swap_every": self.partial_chunk}
+        return {}
 
     def _prompts(self, p: dict[str, Any]) -> list[list[int]]:
         """This rank's prompts of the round ``p`` (its replica's share), from the controller."""
@@ -350,10 +395,10 @@ class RolloutServer:
                 self.engine.wake_up()
                 self.versions = [self.version]
                 # weights may change mid-round only in training rounds: validation's are issued after the sync
-                swap = {"swap": self.swap, "swap_every": self.partial_chunk} if self.partial and train else {}
+                hooks = self._hooks() if train else {}
                 out = self.engine.generate(prompts, n=n, temperature=p["temperature"], top_p=p["top_p"],
                                            top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
-                                           seed=p["seed"] + (self.replica if train else 0), **swap)
+                                           seed=p["seed"] + (self.replica if train else 0), **hooks)
                 self.engine.sleep(self.sleep_level)
                 versions = (torch.tensor(self.versions)[out.weight_swaps] if out.weight_swaps is not None
                             else torch.full(out.response_ids.shape, self.version, dtype=torch.long))
@@ -371,10 +416,10 @@ class RolloutServer:
 
 
 def serve_rollout_pool(*, engine: Any, link: RolloutLink, replica: int, sleep_level: int, partial: bool = False,
-                       partial_chunk: int = 32) -> int:
+                       partial_chunk: int = 32, stage_weights: bool = False) -> int:
     """Serve the actor pool until it stops (0) or aborts (1); 1 too when this rank failed."""
     return RolloutServer(link=link, engine=engine, replica=replica, sleep_level=sleep_level, partial=partial,
-                         partial_chunk=partial_chunk).serve()
+                         partial_chunk=partial_chunk, stage_weights=stage_weights).serve()
 
 
 __all__ = ["COMMANDS_KEY", "CONTROLLER", "Round", "RolloutLink", "RolloutRoutes", "RolloutServer", "routes_of", "serve_rollout_pool"]

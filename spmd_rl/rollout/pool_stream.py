@@ -28,6 +28,8 @@ rank sends first (a tagged receive from any source), and a step trains on the ne
 * **Weights.** Without ``rollout.partial`` the rollout stops feeding new rows when weights are
   announced, lets the live rows finish, loads them and goes on (a drain); with it, the live rows
   continue under the new weights at the next look (every ``rollout.partial_chunk`` decode steps).
+  With ``rollout.stage_weights`` the drain starts at that look too, and the transfer is received then
+  into a staging copy, so the actor does not wait for the drain.
   Validation rounds and ``stop`` drain the stream the same way.
 * **Messages.** A group is a header ``[status, round, position, n, width, microseconds the rank
   has generated so far]`` (status 1: the length of an error message, which follows) and two
@@ -226,12 +228,12 @@ class StreamServer(RolloutServer):
         self.commands_taken += 1
         return kind, payload, None
 
-    def _run(self, kind: str, payload: Any, prompts: list[list[int]] | None) -> None:
+    def _run(self, kind: str, payload: Any, held: Any) -> None:
         if kind == "stream":
             self._add(payload, self._prompts(payload))
             self._stream()
         else:  # weights, or a validation round
-            super()._run(kind, payload, prompts)
+            super()._run(kind, payload, held)
 
     def _add(self, p: dict[str, Any], prompts: list[list[int]]) -> None:
         """Queue a stream command's prompts (this replica's share) as rows."""
@@ -247,8 +249,16 @@ class StreamServer(RolloutServer):
             self._add(payload, self._prompts(payload))
         elif kind == "weights" and self.partial:
             self.held = payload
+        elif kind == "weights" and self.stage_weights:  # received now, loaded after the drain
+            self.queued.append((kind, payload, self._receive_staged()))
         else:
             self.queued.append((kind, payload, self._prompts(payload) if kind == "generate" else None))
+
+    def stage(self) -> None:
+        """``rollout.stage_weights``: the stream's look for commands (a weight transfer is received at
+        once into a staging copy); none once a command waits for the drain."""
+        if not self.queued:
+            self._poll()
 
     def _poll(self) -> None:
         """Receive the commands the controller announced (never blocks)."""
@@ -328,12 +338,11 @@ class StreamServer(RolloutServer):
         try:
             self.engine.wake_up()
             self.versions = [self.version]
-            swap = {"swap": self.swap, "swap_every": self.partial_chunk} if self.partial else {}
             self.stream_start = time.perf_counter()
             self.engine.stream(feed=self._feed, done=self._done, temperature=p["temperature"], top_p=p["top_p"],
                                top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
                                max_prompt_length=self.max_prompt_length,
-                               seed=p["seed"] + self.replica + 104_729 * self.streams, **swap)
+                               seed=p["seed"] + self.replica + 104_729 * self.streams, **self._hooks())
             self.busy_s += time.perf_counter() - self.stream_start
         except Exception as e:  # noqa: BLE001 - the actor ranks raise it
             self.error = f"{self.where}: generation failed: {type(e).__name__}: {e}"

@@ -22,7 +22,8 @@ steps the stream asks whether new weights were loaded; if so it stops, the rows 
 tokens and log-probs and are fed again first, their prefix (prompt + tokens so far) prefilled under
 the new weights, and ``swaps`` says, per token, how many swaps preceded it. Without ``swap`` the
 caller changes weights between streams: its feed returns nothing, the live rows finish, the call
-returns (a drain).
+returns (a drain); ``look``, called as often and never stopping anything, lets it receive them
+meanwhile (``rollout.stage_weights``).
 
 The Hugging Face loop streams in waves of ``batch_size`` rows (a wave ends when its rows do).
 """
@@ -68,7 +69,7 @@ class _Row:
 
 def run_stream(engine: "NativeRollout", *, feed: Feed, done: Done, temperature: float, top_p: float, top_k: int,
                max_new_tokens: int, max_prompt_length: int, seed: int, swap: Callable[[], bool] | None = None,
-               swap_every: int = 32) -> int:
+               swap_every: int = 32, look: Callable[[], None] | None = None) -> int:
     """The engine-level stream (see the module docstring); returns how many weight swaps happened."""
     generator = torch.Generator(device=engine.device).manual_seed(seed)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": generator}
@@ -113,10 +114,12 @@ def run_stream(engine: "NativeRollout", *, feed: Feed, done: Done, temperature: 
     def interrupt(steps: int) -> bool:
         if engine.token_delay_s:
             time.sleep(engine.token_delay_s)  # the benchmark's slow rollout, not a wait for anything
+        if look is not None and steps % swap_every == 0:
+            look()
         fired[0] = swap is not None and steps % swap_every == 0 and swap()
         return fired[0]
 
-    hook = interrupt if swap is not None or engine.token_delay_s else None
+    hook = interrupt if swap is not None or look is not None or engine.token_delay_s else None
     slots = max_prompt_length + max_new_tokens
     while True:
         if engine._fast is not None:
