@@ -93,7 +93,7 @@ def measure(rows: int, mix: str, args: argparse.Namespace, *, device: torch.devi
             q.unflatten(1, (args.kv_heads, group)), k[:, :span].transpose(1, 2), v[:, :span].transpose(1, 2),
             attn_mask=bias, scale=scale).flatten(1, 2),
         "triton": lambda: da.decode_attention(q, k, v, start, end, scale=scale, span=span),
-        "varlen": lambda: fast.varlen_attn(
+        "varlen": lambda: da.varlen_attn(
             q.contiguous(), k.flatten(0, 1), v.flatten(0, 1), torch.arange(rows + 1, device=device).int(), cu_k, 1,
             span, scale=scale, enable_gqa=True, seqused_k=(end - start).int()),
     }
@@ -128,7 +128,7 @@ def main() -> None:
     shape = {"dtype": dtype, "device": device, "heads": args.heads, "kv_heads": args.kv_heads,
              "head_dim": args.head_dim}
     paths = ["sdpa"] + [p for p, ok in (("triton", da.decode_attention_works(**shape) or interpreted),
-                                         ("varlen", fast.varlen_works(**shape))) if ok]
+                                         ("varlen", da.varlen_works(**shape))) if ok]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, triton {getattr(da.triton, '__version__', 'absent')}, "
           f"{dtype}; {args.heads} heads / {args.kv_heads} KV heads of {args.head_dim}, {args.layers} layers, "

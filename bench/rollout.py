@@ -64,7 +64,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spmd_rl.rollout import fast  # noqa: E402
+from spmd_rl.rollout import decode_attention  # noqa: E402
 from spmd_rl.rollout.fast import FastDecoder, batch_buckets  # noqa: E402
 
 QWEN3 = (Qwen3Config, Qwen3ForCausalLM)
@@ -186,7 +186,7 @@ class Bench:
         dtype, fd = self.model.dtype, self.fd
         probe = {"dtype": dtype, "device": self.device, "heads": fd.heads, "kv_heads": fd.kv_heads,
                  "head_dim": fd.head_dim}
-        runs = {"varlen": fast.varlen_works, "triton": fast.decode_attention_works}.get(name, lambda **_: True)
+        runs = {"varlen": decode_attention.varlen_works, "triton": decode_attention.decode_attention_works}.get(name, lambda **_: True)
         if not runs(**probe):
             return None
         if name != fd.attention:

@@ -22,7 +22,6 @@ import torch
 from test_rollout_fast import assert_same, build, early_eos, engine, greedy, responses
 
 from spmd_rl.rollout import decode_attention as da
-from spmd_rl.rollout import fast
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # where the kernels run in this process: CUDA, or the CPU under Triton's interpreter
@@ -82,7 +81,7 @@ def test_the_decoder_with_the_kernel_equals_the_hf_loop(root: Path) -> None:
     eos = early_eos(responses(greedy(engine(folder, DEVICE, fast=False, dtype=dtype), prompts)))
     e = engine(folder, DEVICE, eos=eos, batch_size=3, dtype=dtype)
     if DEVICE == "cuda":
-        assert e._fast.attention == ("varlen" if fast.varlen_works(
+        assert e._fast.attention == ("varlen" if da.varlen_works(
             dtype=dtype, device=torch.device("cuda"), heads=4, kv_heads=2, head_dim=16) else "triton")
     e._fast.attention = "triton"
     out = greedy(e, prompts, max_new_tokens=12)

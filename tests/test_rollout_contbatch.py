@@ -29,8 +29,9 @@ from test_rollout_fast import (
 )
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from spmd_rl.rollout import fast
-from spmd_rl.rollout.fast import FastDecoder, size
+from spmd_rl.rollout import decode_attention, fast
+from spmd_rl.rollout.fast import FastDecoder
+from spmd_rl.rollout.slots import size
 
 LENGTHS = [5, 13, 2, 9, 17, 7, 11, 3]  # 8 prompts x n = 2: 16 rows on 2 slots
 
@@ -120,12 +121,12 @@ def test_the_varlen_attention_call_reads_each_rows_own_entries(root: Path, promp
     """The CUDA path's flash varlen call (each row's keys from past its left padding to its write slot in
     the flattened cache), run on CPU through an SDPA version of the kernel: greedy with continuous
     batching equals the HF loop (Gemma 3: its global layer through varlen, its local layers in the ring)."""
-    assert not fast.varlen_works(dtype=torch.float32, device=torch.device("cpu"), heads=4, kv_heads=2, head_dim=16)
+    assert not decode_attention.varlen_works(dtype=torch.float32, device=torch.device("cpu"), heads=4, kv_heads=2, head_dim=16)
     folder = build(root, shape)
     eos = early_eos(responses(greedy(engine(folder, fast=False), prompts)))
     ref = greedy(engine(folder, fast=False, eos=eos, batch_size=3), prompts)
     monkeypatch.setattr(fast, "varlen_attn", reference_varlen)
-    monkeypatch.setattr(fast, "varlen_works", lambda **kwargs: True)
+    monkeypatch.setattr(decode_attention, "varlen_works", lambda **kwargs: True)
     e = engine(folder, eos=eos, batch_size=3)
     assert e._fast.varlen
     assert_same(greedy(e, prompts), ref)
@@ -141,7 +142,7 @@ def test_bf16_continuous_batching_with_flash_varlen_on_cuda(root: Path, prompts)
     if not e._fast.varlen:  # torch 2.11's varlen_attn has no seqused_k / enable_gqa: the decode takes the Triton kernel
         import inspect
 
-        from spmd_rl.rollout.fast import varlen_attn
+        from spmd_rl.rollout.decode_attention import varlen_attn
         params = inspect.signature(varlen_attn).parameters if varlen_attn is not None else {}
         assert not {"seqused_k", "enable_gqa"} <= set(params), "varlen_attn takes the decode's arguments, yet the probe failed"
         pytest.skip(f"torch {torch.__version__}: varlen_attn lacks seqused_k / enable_gqa (the decode uses the Triton kernel, tests/test_decode_attention.py, or masked SDPA)")

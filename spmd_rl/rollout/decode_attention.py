@@ -1,4 +1,6 @@
-"""Decode attention over each row's own cache entries: a split-K Triton kernel (CUDA, bf16 / fp16).
+"""Decode attention over each row's own cache entries: a split-K Triton kernel (CUDA, bf16 / fp16), and
+the probes that pick the fast decoder's attention (:func:`attention_kind`: torch's flash varlen, this
+kernel, or masked SDPA).
 
     o = decode_attention(q, k_cache, v_cache, start, end, scale=0.088, span=4224)
     # q [rows, heads, D]; k_cache, v_cache [rows, slots, kv_heads, D] (the fast decoder's cache layout);
@@ -36,6 +38,11 @@ try:  # ships with every CUDA build of torch; absent from CPU wheels
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = tl = None
+
+try:  # flash attention over each row's valid cache entries only (CUDA, bf16 / fp16; torch >= 2.10)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    varlen_attn = None
 
 BLOCK_N = 64  # keys per inner block
 MIN_CHUNK = 256  # fewest keys a split takes
@@ -171,4 +178,46 @@ def decode_attention_works(*, dtype: torch.dtype, device: torch.device, heads: i
         return False
 
 
-__all__ = ["decode_attention", "decode_attention_works", "reference", "splits_for"]
+
+
+def varlen_works(*, dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`varlen_attn` runs on this device and dtype with the decode's arguments (one query per
+    row, rows starting past their left padding, ``seqused_k``, grouped KV heads) and agrees with SDPA: a
+    probe, as kernels differ by device, dtype and release."""
+    if varlen_attn is None:
+        return False
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        slots, pad, used = 8, torch.tensor([0, 3], device=device), torch.tensor([5, 4], device=device)
+        q = torch.randn(2, heads, head_dim, generator=gen, device=device).to(dtype)
+        k, v = (torch.randn(2, slots, kv_heads, head_dim, generator=gen, device=device).to(dtype) for _ in range(2))
+        ar = torch.arange(2, device=device)
+        # max_k: the step's span, below the rows' cache length as in the decode
+        out = varlen_attn(q, k.flatten(0, 1), v.flatten(0, 1), (torch.arange(3, device=device)).int(),
+                          torch.cat([ar * slots + pad, ar.new_full((1,), 2 * slots)]).int(), 1, 6,
+                          enable_gqa=True, seqused_k=used.int())
+        for i in range(2):
+            keys = slice(int(pad[i]), int(pad[i] + used[i]))
+            ref = F.scaled_dot_product_attention(
+                q[i].unflatten(0, (kv_heads, -1)), k[i, keys].transpose(0, 1), v[i, keys].transpose(0, 1))
+            if not torch.allclose(out[i].float(), ref.flatten(0, 1).float(), atol=2e-2, rtol=0):
+                return False
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+    return True
+
+
+def attention_kind(*, dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str:
+    """The full-length layers' decode attention on this device and dtype: ``varlen`` (torch's flash varlen),
+    ``triton`` (:func:`~spmd_rl.rollout.decode_attention.decode_attention`), both reading each row's own
+    cache entries, or ``sdpa`` (masked, over the step's span of slots): the first whose probe passes."""
+    probe = {"dtype": dtype, "device": device, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    if varlen_works(**probe):
+        return "varlen"
+    if decode_attention_works(**probe):
+        return "triton"
+    return "sdpa"
+
+
+__all__ = ["attention_kind", "decode_attention", "decode_attention_works", "reference", "splits_for", "varlen_attn",
+           "varlen_works"]

@@ -14,16 +14,10 @@ of it, so ``load_weights`` (in-place copies by HF name) and the HF loop keep wor
 
 How a call of ``b`` rows runs (any ``b``; ``max_batch``, i.e. ``rollout.batch_size``, decode at once):
 
-* the KV cache is slot-based: ``cache [full-length layers, 2, rows, slots, kv_heads, head_dim]``, one
-  cache row (a sequence slot) per decoding row, ``rows`` = the largest batch bucket used so far,
-  ``slots = longest prompt + max_new_tokens`` rounded up to 64 (both grow only); sleep frees it. A row
-  holds its left-padded prompt at slots ``0..P-1`` (``pad`` slots of padding first) and writes its
-  ``t``-th new token at slot ``P + t``: every row has its own write slot and position. Paged blocks
-  would let rows share memory by their actual lengths, but need a block-table attention kernel on
-  every device (CPU included) and a gather per step; slots keep one contiguous run per row, which
-  both masked SDPA and flash varlen read in place, and a queued row reserves nothing until it gets
-  a slot. Before allocating, the cache's bytes are checked against the device's free memory
-  (:meth:`FastDecoder.memory_needed`): too little fails with the numbers and the flags to change;
+* the KV cache is slot-based (:mod:`spmd_rl.rollout.slots`, the decoder's base class): one cache row (a
+  sequence slot) per decoding row, sized for the longest prompt + ``max_new_tokens``, each row with its
+  own write slot and position; its bytes are checked against the device's free memory before it is
+  allocated (:meth:`FastDecoder.memory_needed`), failing with the numbers and the flags to change;
 * continuous batching: the first ``max_batch`` rows are prefilled; the others queue in the order
   given. Whenever at least ``refill_fraction`` of the slots (or all) are finished, the next queued rows
   are prefilled into those slots, while the other rows keep decoding. Once the queue is empty, the
@@ -79,66 +73,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..compiled import CompileGroup
 from ..models.families import FAMILIES, layer_windows
-from .decode_attention import decode_attention, decode_attention_works
+from .decode_attention import attention_kind, decode_attention, varlen_attn
 from .layers import (
     ACTIVATIONS, Fused, dense_mlp, grouped_mm_works, layer_functions, moe_mlp, norm_eps, rms_norm, rope_types,
     unsupported_reason,
 )
 from .sampling import filter_logits
-
-try:  # flash attention over each row's valid cache entries only (CUDA, bf16 / fp16; torch >= 2.10)
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - older torch
-    varlen_attn = None
+from .slots import SlotCache
 
 # SDPA kernels the path may use: masked attention runs the memory-efficient kernel on CUDA (flash takes
 # no mask) and the fused CPU kernel on CPU; a known, graph-capturable choice on every torch version.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _DECODE = CompileGroup("the rollout's compiled decode layers")  # CUDA; eager layer code if compiling fails
-
-
-def varlen_works(*, dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether :func:`varlen_attn` runs on this device and dtype with the decode's arguments (one query per
-    row, rows starting past their left padding, ``seqused_k``, grouped KV heads) and agrees with SDPA: a
-    probe, as kernels differ by device, dtype and release."""
-    if varlen_attn is None:
-        return False
-    try:
-        gen = torch.Generator(device=device).manual_seed(0)
-        slots, pad, used = 8, torch.tensor([0, 3], device=device), torch.tensor([5, 4], device=device)
-        q = torch.randn(2, heads, head_dim, generator=gen, device=device).to(dtype)
-        k, v = (torch.randn(2, slots, kv_heads, head_dim, generator=gen, device=device).to(dtype) for _ in range(2))
-        ar = torch.arange(2, device=device)
-        # max_k: the step's span, below the rows' cache length as in the decode
-        out = varlen_attn(q, k.flatten(0, 1), v.flatten(0, 1), (torch.arange(3, device=device)).int(),
-                          torch.cat([ar * slots + pad, ar.new_full((1,), 2 * slots)]).int(), 1, 6,
-                          enable_gqa=True, seqused_k=used.int())
-        for i in range(2):
-            keys = slice(int(pad[i]), int(pad[i] + used[i]))
-            ref = F.scaled_dot_product_attention(
-                q[i].unflatten(0, (kv_heads, -1)), k[i, keys].transpose(0, 1), v[i, keys].transpose(0, 1))
-            if not torch.allclose(out[i].float(), ref.flatten(0, 1).float(), atol=2e-2, rtol=0):
-                return False
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        return False
-    return True
-
-
-def attention_kind(*, dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str:
-    """The full-length layers' decode attention on this device and dtype: ``varlen`` (torch's flash varlen),
-    ``triton`` (:func:`~spmd_rl.rollout.decode_attention.decode_attention`), both reading each row's own
-    cache entries, or ``sdpa`` (masked, over the step's span of slots): the first whose probe passes."""
-    probe = {"dtype": dtype, "device": device, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
-    if varlen_works(**probe):
-        return "varlen"
-    if decode_attention_works(**probe):
-        return "triton"
-    return "sdpa"
-
-
-def size(n: float) -> str:
-    """Bytes as GiB (MiB below 0.1 GiB), for messages."""
-    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 / 10 else f"{n / 2 ** 20:.2f} MiB"
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -147,11 +93,8 @@ def batch_buckets(max_batch: int) -> list[int]:
     return buckets + [max_batch]
 
 
-class FastDecoder:
+class FastDecoder(SlotCache):
     """Static-cache, graph-captured decoding over a HF model of a supported family (module docstring)."""
-
-    _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_wpos", "_ncol", "_limit", "_ar", "_row_of", "_finished", "_temp",
-                     "_u", "_scaled", "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin")
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_batch: int, pad_token_id: int,
                  prefill_tokens: int = 16384, compile_layers: bool = False) -> None:
@@ -256,109 +199,6 @@ class FastDecoder:
             raise ValueError(f"FastDecoder: flash varlen does not run here (attention is {self.attention!r})")
         if not on:
             self.attention = "sdpa"
-
-    # ------------------------------------------------------------------ memory
-
-    def release(self) -> None:
-        """Free the KV cache, the step's buffers and the CUDA graphs (their memory pool)."""
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs, self._pool, self.cache, self.ring, self._eos = {}, None, None, None, None
-        for name in self._STEP_BUFFERS:
-            setattr(self, name, None)
-
-    def restore(self) -> None:
-        """Reallocate the cache of the last shape (after :meth:`release`); graphs are recaptured on use."""
-        if self.cache is None and self._shape is not None:
-            self._check_memory(*self._shape)
-            self._allocate(*self._shape)
-
-    def _ensure_cache(self, rows: int, slots: int, out_rows: int) -> None:
-        """A cache of at least ``rows`` sequence slots of ``slots`` positions and outputs for ``out_rows``
-        rows; grows only (a new size frees the old cache and graphs first)."""
-        if self.cache is not None and all(a >= b for a, b in zip(self._shape, (rows, slots, out_rows))):
-            return
-        if self.cache is not None:
-            rows, slots, out_rows = (max(a, b) for a, b in zip(self._shape, (rows, slots, out_rows)))
-        self.release()
-        slots = -(-slots // 64) * 64
-        self._check_memory(rows, slots, out_rows)
-        self._allocate(rows, slots, out_rows)
-
-    def memory_needed(self, rows: int, slots: int, out_rows: int) -> dict[str, int]:
-        """Bytes :meth:`_allocate` takes for ``rows`` sequence slots of ``slots`` positions and ``out_rows``
-        output rows (``kv``: the K/V cache and rings; ``buffers``: logits and outputs), and ``transient``,
-        an estimate of the largest prefill's activations (``prefill_tokens`` tokens at once)."""
-        item = self.inner.embed_tokens.weight.element_size()
-        windowed = sum(w is not None for w in self.windows)
-        per_slot = 2 * self.kv_heads * self.head_dim * item  # K and V of one position, one layer
-        kv = per_slot * rows * ((len(self.layers) - windowed) * slots + windowed * min(self.window or 0, slots))
-        buffers = rows * self.vocab * 4 * 2 + (out_rows + 1) * slots * (8 + 4 + 4) + rows * 64
-        hidden = self.inner.embed_tokens.weight.shape[1]
-        width = max([f.weight.shape[0] for f in self.fused] + [hidden])  # the widest GEMM output (gate/up: 2 x MLP)
-        transient = min(self.prefill_tokens, rows * slots) * (4 * hidden + 2 * width) * item
-        return {"kv": kv, "buffers": buffers, "transient": transient}
-
-    def _available(self) -> int | None:
-        if self.memory_budget is not None:
-            return self.memory_budget
-        if self.device.type != "cuda":
-            return None
-        free, _ = torch.cuda.mem_get_info(self.device)  # the driver's free memory + what torch holds unused
-        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-
-    def _check_memory(self, rows: int, slots: int, out_rows: int) -> None:
-        """Fail before allocating when the cache would not fit, with the numbers and the flags to change."""
-        available = self._available()
-        need = self.memory_needed(rows, slots, out_rows)
-        total = sum(need.values())
-        if available is None or total <= available:
-            return
-        per_row = need["kv"] / rows
-        fit = max(0, int((available - total + need["kv"]) // per_row))
-        raise MemoryError(
-            f"FastDecoder: the KV cache of {rows} sequence slots x {slots} positions (rollout.batch_size x (longest "
-            f"prompt + rollout.max_new_tokens), rounded up to 64) needs {size(total)} on {self.device} "
-            f"({size(need['kv'])} K/V, {size(per_row)} per slot; {size(need['buffers'])} logits and outputs; "
-            f"{size(need['transient'])} prefill activations), but {size(available)} is available. Lower "
-            f"--rollout.batch-size (about {fit} slots fit; queued rows wait for a free slot, so fewer slots cost "
-            "speed, not results), --rollout.max-new-tokens or --data.max-prompt-length, or leave more memory to "
-            "the rollout (--rollout.sleep-level 2 for a colocated actor, --rollout.gpu-memory-fraction with "
-            "pools.colocate)")
-
-    def _allocate(self, rows: int, slots: int, out_rows: int) -> None:
-        """The cache and every buffer a captured step reads or writes (fixed addresses for the graphs)."""
-        dtype, dev = self.inner.embed_tokens.weight.dtype, self.device
-        windowed = sum(w is not None for w in self.windows)
-        # [layers, K/V, rows, slots, kv_heads, head_dim]: a row's entries are one run of (slot, head) pairs,
-        # the layout flash varlen reads; SDPA reads the same memory as [rows, kv_heads, slots, head_dim]
-        self.cache = torch.zeros(len(self.layers) - windowed, 2, rows, slots, self.kv_heads, self.head_dim,
-                                 dtype=dtype, device=dev)
-        self.ring = torch.zeros(windowed, 2, rows, self.kv_heads, min(self.window or 0, slots), self.head_dim,
-                                dtype=dtype, device=dev)
-        self._shape = (rows, slots, out_rows)
-        long = dict(dtype=torch.long, device=dev)
-        self._tok = torch.zeros(rows, **long)       # the token each row feeds the next forward
-        self._pos = torch.zeros(rows, **long)       # its position
-        self._pad = torch.zeros(rows, **long)       # left-padding slots of each row
-        self._wpos = torch.zeros(rows, **long)      # the slot each row's next forward writes
-        self._ncol = torch.zeros(rows, **long)      # the output column each row's next sample writes
-        self._limit = torch.ones(rows, **long)      # each row's most new tokens
-        self._ar = torch.arange(rows + 1, **long)
-        self._row_of = torch.zeros(rows, **long)    # output row of each cache row (the spare row for spares)
-        self._finished = torch.ones(rows, dtype=torch.bool, device=dev)
-        self._temp = torch.ones(1, dtype=torch.float32, device=dev)  # logits are divided by it
-        self._u = torch.zeros(rows, dtype=torch.float32, device=dev)  # this step's uniforms
-        self._scaled = torch.zeros(rows, self.vocab, dtype=torch.float32, device=dev)  # logits / T
-        self._lse = torch.zeros(rows, dtype=torch.float32, device=dev)
-        self._out_tok = torch.zeros(out_rows + 1, slots, **long)  # + a spare row
-        self._out_lp = torch.zeros(out_rows + 1, slots, dtype=torch.float32, device=dev)
-        self._out_mask = torch.zeros_like(self._out_lp)
-        self._slots = torch.arange(slots, device=dev)
-        # RoPE tables by position, one per rope key (see rope_types)
-        self._cos = torch.zeros(len(self.rope_keys), slots, self.head_dim, dtype=dtype, device=dev)
-        self._sin = torch.zeros_like(self._cos)  # sin with the first half negated (see rope())
-        self._eos = None
 
     # ------------------------------------------------------------------ forward pieces
 
@@ -699,83 +539,5 @@ class FastDecoder:
         self._step(cur, span, mode)
         self.steps += 1
 
-    def _start_call(self, *, temperature: float, eos: torch.Tensor) -> int:
-        """Set up a call on the allocated cache: the EOS ids, the RoPE tables, every slot a spare
-        (finished, slot 0, so its attention row is never empty; flat logits); returns the spare output row."""
-        self._set_eos(eos)
-        half = self.head_dim // 2
-        for t, key in enumerate(self.rope_keys):  # the same tables as HF's forward
-            extra = () if key is None else (key,)
-            cos, sin = self.inner.rotary_emb(self._cos[t][None], self._slots[None], *extra)
-            self._cos[t].copy_(cos[0])
-            self._sin[t].copy_(torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1))  # rotate_half's sign
-        spare = self._out_tok.shape[0] - 1
-        for buf in (self._pad, self._pos, self._wpos, self._ncol):
-            buf.zero_()
-        self._row_of.fill_(spare)
-        self._finished.fill_(True)
-        self._scaled.zero_()
-        self._lse.zero_()
-        self._temp.fill_(temperature if temperature > 0 else 1.0)
-        return spare
 
-    def _clear_outputs(self, rows: torch.Tensor) -> None:
-        """Empty the output rows ``rows`` (before rows start writing there)."""
-        self._out_tok[rows] = self.pad_token_id
-        self._out_lp[rows] = 0.0
-        self._out_mask[rows] = 0.0
-
-    def _fill(self, slots: list[int], queue: list[int], rows: list[list[int]], limits: list[int]) -> int:
-        """Prefill the next queued rows into the cache rows ``slots`` (as many as both have), in groups of
-        at most ``prefill_tokens`` tokens, each group left-padded to its longest prompt; returns the
-        highest slot a filled row writes next."""
-        taken = [queue.pop() for _ in range(min(len(slots), len(queue)))]
-        dev, top, start = self.device, 0, 0
-        while start < len(taken):
-            longest = max(len(rows[r]) for r in taken[start:start + 1])
-            group = taken[start:start + max(1, self.prefill_tokens // longest)]
-            longest = max(len(rows[r]) for r in group)
-            ids = torch.full((len(group), longest), self.pad_token_id, dtype=torch.long)
-            for i, r in enumerate(group):
-                ids[i, longest - len(rows[r]):] = torch.tensor(rows[r], dtype=torch.long)
-            pad = torch.tensor([longest - len(rows[r]) for r in group], dtype=torch.long, device=dev)
-            dest = torch.tensor(slots[start:start + len(group)], dtype=torch.long, device=dev)
-            self._prefill(ids.to(dev), pad, dest)
-            self._pad[dest] = pad
-            self._pos[dest] = longest - pad
-            self._wpos[dest] = longest
-            self._ncol[dest] = 0
-            self._limit[dest] = torch.tensor([limits[r] for r in group], dtype=torch.long, device=dev)
-            self._row_of[dest] = torch.tensor(group, dtype=torch.long, device=dev)
-            self._finished[dest] = False
-            top, start = max(top, longest), start + len(group)
-        return top
-
-    def _set_eos(self, eos: torch.Tensor) -> None:
-        """The EOS ids the captured steps compare against (a buffer of its own; a new count recaptures)."""
-        if self._eos is not None and self._eos.shape == eos.shape:
-            self._eos.copy_(eos)
-            return
-        for graph in self._graphs.values():
-            graph.reset()
-        self._graphs = {}
-        self._eos = eos.to(self.device, copy=True)
-
-    def _compact(self, cur: int, *, spare: int) -> int:
-        """Move the live cache rows (and their logits and counters) to the front, order kept; shrink to their
-        bucket. Rows past the live ones become spares: finished, writing to the spare output row."""
-        keep = torch.nonzero(~self._finished[:cur]).squeeze(-1)
-        n, new = keep.numel(), self.bucket(keep.numel())
-        for cache in (self.cache, self.ring):
-            for i in range(cache.shape[0]):  # one layer at a time: the gather copy stays small
-                cache[i, :, :n] = cache[i][:, keep]
-        for buf in (self._tok, self._pos, self._pad, self._wpos, self._ncol, self._limit, self._row_of, self._scaled,
-                    self._lse):
-            buf[:n] = buf[keep]
-        self._row_of[n:new] = spare
-        self._finished[:new] = torch.arange(new, device=self.device) >= n
-        self.compactions += 1
-        return new
-
-
-__all__ = ["FastDecoder", "Fused", "attention_kind", "batch_buckets", "unsupported_reason"]
+__all__ = ["FastDecoder", "Fused", "batch_buckets", "unsupported_reason"]
