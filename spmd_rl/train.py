@@ -28,13 +28,14 @@ import time
 
 _PARENT_PID = os.getppid()  # before the imports below: the launcher that started this process
 
-from spmd_rl.compiled import use_compile_cache
+from typing import TYPE_CHECKING
+
 from spmd_rl.config import load_config
 from spmd_rl.distributed.plan import plan
-from spmd_rl.distributed.env import DistEnv
 from spmd_rl.distributed.process import die_with_parent, exit_now, run_entry
-from spmd_rl.distributed.watchdog import install, start_watchdog
-from spmd_rl.metrics import setup_logging
+
+if TYPE_CHECKING:
+    from spmd_rl.distributed.env import DistEnv
 
 log = logging.getLogger("spmd_rl")
 
@@ -45,6 +46,13 @@ REPORT_GRACE_S = 3.0
 def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun worker: end with the agent, even a kill -9'd one
         die_with_parent(_PARENT_PID)
+    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+        load_config(argv)  # prints the flags and exits, before torch is imported (below)
+    from spmd_rl.compiled import use_compile_cache
+    from spmd_rl.distributed.env import DistEnv
+    from spmd_rl.distributed.watchdog import install, start_watchdog
+    from spmd_rl.metrics import setup_logging
+
     env = DistEnv.from_environ()
     setup_logging(env.rank, env.hostname)
     try:

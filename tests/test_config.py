@@ -176,6 +176,18 @@ def test_help_shows_field_docs(module):
         assert "--world-size" in text
 
 
+def test_train_help_imports_no_torch():
+    """``python -m spmd_rl.train --help`` answers before the trainer's imports: torch and transformers
+    stay unimported (a second instead of five)."""
+    code = ("import sys; from spmd_rl import train\n"
+            "try:\n    train.main(['--rollout.n', '4', '--help'])\nexcept SystemExit as e:\n    print('exit', e.code)\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent.parent)
+    assert "--rollout.n" in out.stdout and "exit 0" in out.stdout, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("preset", sorted(p.name for p in (Path(__file__).parent.parent / "configs").glob("*.yaml")))
 def test_every_preset_loads_and_plans(preset):
     """Each shipped preset parses, passes validation, and lays out on 1 and 2 processes."""

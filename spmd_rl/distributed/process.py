@@ -84,10 +84,13 @@ def write_error_file(message: str, callstack: str = "") -> None:
 def run_entry(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> int:
     """``main(argv)``'s exit status: its return value (None = 0), a ``SystemExit``'s code, or 1
     after an exception, whose traceback is printed and (under torchrun) written to the error file."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+    entry = main
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # under torchrun: the error file names the root cause
+        from torch.distributed.elastic.multiprocessing.errors import record
 
+        entry = record(main)
     try:
-        code = record(main)(argv)
+        code = entry(argv)
     except SystemExit as e:
         code = e.code
         if isinstance(code, str):
