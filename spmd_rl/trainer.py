@@ -107,15 +107,10 @@ class Trainer:
             pool_groups=groups.rollout_pool_groups)
         self.policy_version = self.rollout_version = 0  # actor updates so far / those the rollout holds
         self.row_weight = 1.0  # what a row this rank holds counts in sums (< 1 where rows repeat over ranks)
-        # Old log-probs: needed for several optimizer steps per batch, by the IS correction (the trainer's
-        # own log-probs of the sampling policy), off-policy (the proximal policy of decoupled PPO), and by
-        # PPO's KL reward (the actor's before the update).
         self.staleness, self.stream = cfg.trainer.max_staleness, cfg.rollout.stream
         self.in_flight = GroupsInFlight() if self.stream else InFlight()
         if self.link is not None:  # the bounded queue between the pools: S + 1 training rounds and a validation one
             self.link.max_in_flight = self.staleness + 2
-        self.need_old_logprobs = (self.updates_per_step > 1 or cfg.algo.rollout_is != "none" or self.staleness > 0
-                                  or cfg.algo.kl_in_reward)
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.dynamic = DynamicSampling(  # DAPO: rounds until data.train_batch_size groups whose scores differ
@@ -130,6 +125,14 @@ class Trainer:
         self.checkpointer.check_writable(checkpoint_bytes(  # before the first step, not at the first save
             model_parameters(self.model_folder) * (2 if self.critic else 1),
             hf_copy=engine_spec(cfg.actor.engine).export_copy))
+
+    @property
+    def need_old_logprobs(self) -> bool:
+        """Old log-probs are needed for several optimizer steps per batch, by the IS correction (the
+        trainer's own log-probs of the sampling policy), off-policy (the proximal policy of decoupled
+        PPO), and by PPO's KL reward (the actor's before the update)."""
+        algo = self.cfg.algo
+        return self.updates_per_step > 1 or algo.rollout_is != "none" or self.staleness > 0 or algo.kl_in_reward
 
     def _build_engines(self, groups: RunGroups) -> None:
         """The actor, the frozen reference (when a KL needs it; with LoRA the actor's own base), PPO's

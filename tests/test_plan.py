@@ -4,6 +4,8 @@ needs the world size, one row per message, checked with no process group."""
 from __future__ import annotations
 
 import re
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -183,3 +185,23 @@ def test_partial_rollouts_and_streams_need_a_backend_that_can() -> None:
                              backend=SimpleNamespace(partial=False, stream=False, stage_weights=False))
         _check_in_flight(cfg, rollout_pool=True, backend=SimpleNamespace(partial=True, stream=True, stage_weights=True))
         assert plan(cfg, 2).rollout_pool.name == "rollout"
+
+
+def test_the_skeleton_stays_readable() -> None:
+    """``Trainer.__init__`` reads as assembly (at most 50 lines), and no module outside the two
+    registries (``spmd_rl/engine/__init__.py``, ``spmd_rl/rollout/__init__.py``) branches on the name
+    of an engine or a rollout backend."""
+    import ast
+    import inspect
+
+    from spmd_rl.trainer import Trainer
+
+    init = ast.parse(textwrap.dedent(inspect.getsource(Trainer.__init__))).body[0]
+    assert init.end_lineno - init.lineno + 1 <= 50, f"Trainer.__init__ has {init.end_lineno - init.lineno + 1} lines"
+    root = Path(__file__).resolve().parents[1] / "spmd_rl"
+    registries = {root / "engine" / "__init__.py", root / "rollout" / "__init__.py"}
+    compare = re.compile(r"(engine|backend)\s*(==|!=|in)\s*[(\[\"']")
+    found = [f"{path.relative_to(root.parent)}:{i}: {line.strip()}" for path in sorted(root.rglob("*.py"))
+             if path not in registries for i, line in enumerate(path.read_text().splitlines(), 1)
+             if compare.search(line)]
+    assert not found, "branches on an engine or backend name:\n" + "\n".join(found)

@@ -105,8 +105,9 @@ class BackendSpec:
     stream: bool = False
     """It has ``stream(feed=, done=, ...)`` (``rollout.stream``: rows fed and handed back one by one)."""
     stage_weights: bool = False
-    """Its ``generate`` and ``stream`` take a ``look`` callback, called while it decodes
-    (``rollout.stage_weights``: weights received into a staging copy mid-round)."""
+    """Its ``generate`` and ``stream`` take a ``look`` callback, called while it decodes, and it says
+    whether a second copy of its weights fits (``room_for_weights()``): ``rollout.stage_weights``,
+    weights received into a staging copy mid-round."""
 
 
 BACKENDS: dict[str, BackendSpec] = {

@@ -324,7 +324,8 @@ class RolloutServer:
         the controller announced is received now into a staging copy, so the actor goes on, and is
         loaded when the round ends, in its turn (the commands before it are taken and kept, as
         :meth:`swap` does). One transfer at most waits so: a second one waits for the first's load."""
-        if any(kind == "weights" for kind, *_ in self.queued) or int(_store().add(WEIGHTS_KEY, 0)) <= self.weights_taken:
+        waiting = any(kind == "weights" for kind, *_ in self.queued)
+        if waiting or int(_store().add(WEIGHTS_KEY, 0)) <= self.weights_taken:
             return
         while True:
             _, (kind, payload) = recv_object(CONTROLLER)

@@ -30,8 +30,8 @@ ENV = "SPMD_RL_TEST_ROLLOUT_WEIGHTS"
 _load_weights = RolloutServer._load_weights
 
 
-def _load_and_record(self: RolloutServer, *args: object) -> None:
-    _load_weights(self, *args)
+def _load_and_record(self: RolloutServer, *args: object, **kwargs: object) -> None:
+    _load_weights(self, *args, **kwargs)
     folder = os.environ.get(ENV)
     if folder:
         self.loads = getattr(self, "loads", -1) + 1
