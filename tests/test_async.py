@@ -178,3 +178,23 @@ def test_staged_weights_free_the_actor_and_change_no_sample(tmp_path):
     # a round is ~12 x 0.1 s of decoding; the update ~0.3 s: without staging the sync waits ~0.8 s for the
     # round to end, with it at most one look (2 decode steps, 0.2 s) plus the transfer
     assert statistics.median(wait["staged"]) < 0.5 * statistics.median(wait["waits"]), wait
+
+
+def test_a_staged_copy_that_does_not_fit_waits_for_its_load(caplog):
+    """``rollout.stage_weights`` with too little free memory: the transfer is not received at the look
+    (None is queued with the command), it is counted as taken only when loaded, and the rank warns
+    once, naming what is missing."""
+    from types import SimpleNamespace
+
+    from spmd_rl.rollout.pool import RolloutServer
+
+    server = RolloutServer.__new__(RolloutServer)  # only the fields _receive_staged reads
+    server.where, server.staging_refused, server.weights_taken = "rollout rank 1", False, 0
+    server.engine = SimpleNamespace(room_for_weights=lambda: "a staging copy of the weights needs 3.00 GiB")
+    server.link = SimpleNamespace(bridge=SimpleNamespace(receive=lambda: pytest.fail("received a transfer")))
+    with caplog.at_level("WARNING", logger="spmd_rl"):
+        assert server._receive_staged() is None and server._receive_staged() is None
+    assert server.weights_taken == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "rollout rank 1: rollout.stage_weights: a staging copy of the weights needs 3.00 GiB; weights are received "
+        "when the round ends"]

@@ -62,6 +62,7 @@ from .fast import FastDecoder
 from .layers import Fused, unsupported_reason
 from .lengths import LengthDist, draw_lengths
 from .sampling import filter_logits, sample_next
+from .slots import free_bytes, size
 from .stream import Done, Feed, run_stream
 
 log = logging.getLogger("spmd_rl")
@@ -388,14 +389,11 @@ class NativeRollout:
     def room_for_weights(self) -> str | None:
         """None when one more copy of the weights fits in this device's free memory (a staged transfer,
         ``rollout.stage_weights``), else what is missing, in words."""
-        if self.device.type != "cuda":
-            return None
+        free = free_bytes(self.device)
         need = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        free, _ = torch.cuda.mem_get_info(self.device)  # the driver's free memory + what torch holds unused
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if need * 1.05 <= free:
+        if free is None or need * 1.05 <= free:
             return None
-        return f"a staging copy of the weights needs {need / 2**30:.2f} GiB, {free / 2**30:.2f} GiB is free"
+        return f"a staging copy of the weights needs {size(need)}, {size(free)} is free"
 
     def sleep(self, level: int) -> None:
         """0: keep everything on the device (a no-op: the next rollout reuses the KV cache and the

@@ -25,6 +25,15 @@ from __future__ import annotations
 import torch
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation on ``device`` can take: the driver's free memory plus what torch's
+    allocator holds unused; None off CUDA (no check there)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def size(n: float) -> str:
     """Bytes as GiB (MiB below 0.1 GiB), for messages."""
     return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 / 10 else f"{n / 2 ** 20:.2f} MiB"
@@ -80,12 +89,7 @@ class SlotCache:
         return {"kv": kv, "buffers": buffers, "transient": transient}
 
     def _available(self) -> int | None:
-        if self.memory_budget is not None:
-            return self.memory_budget
-        if self.device.type != "cuda":
-            return None
-        free, _ = torch.cuda.mem_get_info(self.device)  # the driver's free memory + what torch holds unused
-        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return self.memory_budget if self.memory_budget is not None else free_bytes(self.device)
 
     def _check_memory(self, rows: int, slots: int, out_rows: int) -> None:
         """Fail before allocating when the cache would not fit, with the numbers and the flags to change."""
@@ -219,4 +223,4 @@ class SlotCache:
         return new
 
 
-__all__ = ["SlotCache", "size"]
+__all__ = ["SlotCache", "free_bytes", "size"]
