@@ -131,11 +131,19 @@ class GroupsInFlight:
     def sample(self, round_: int, position: int) -> int:
         return self.rounds[round_][position]
 
-    def consume(self, keys: list[tuple[int, int]]) -> None:
-        for round_, position in keys:
+    def take(self, groups: list[tuple[int, int]], dropped: list[tuple[int, int]],
+             reissued: list[tuple[int, list[int]]]) -> list[int]:
+        """The prompt indices of a step's complete ``groups``, which leave the flight with the
+        ``dropped`` (too stale) ones. ``reissued``: the rounds that issued the dropped prompts again,
+        registered first: a group of theirs can complete, and be among ``groups``, in the same take."""
+        for round_, indices in reissued:
+            self.add(round_, indices)
+        taken = [self.sample(*key) for key in groups]
+        for round_, position in groups + dropped:
             del self.rounds[round_][position]
             if not self.rounds[round_]:
                 del self.rounds[round_]
+        return taken
 
     def reissue(self) -> list[tuple[int, list[int]]]:
         out, self.restored = self.restored, []

@@ -344,10 +344,7 @@ class Trainer:
         """``rollout.stream``: the next ``data.train_batch_size`` complete groups, with their staleness."""
         taken = take_groups(self.link, count=self.cfg.data.train_batch_size, policy_version=self.policy_version,
                             max_staleness=self.staleness, actor_group=self.group, reissue=self._reissue)
-        indices = [self.in_flight.sample(*key) for key in taken.groups]
-        self.in_flight.consume(taken.groups + taken.dropped)
-        for round_, again in taken.reissued:
-            self.in_flight.add(round_, again)
+        indices = self.in_flight.take(taken.groups, taken.dropped, taken.reissued)
         batch = self.staleness_of(self.to_batch(indices, taken.rows, taken.tensors, acc), taken.tensors, acc)
         acc.add_max("async/queue_depth", float(taken.queue_depth))
         acc.add_max("async/dropped_groups", float(len(taken.dropped)))

@@ -76,3 +76,19 @@ def test_controller_takes_the_first_complete_groups_drops_stale_ones_and_lays_th
             assert bool(t.tensors["truncated"][i]) == (row % N == 0)
         assert results[rank]["error"] == "rank 2: rollout rank 2: generation failed: boom"
     assert results[0]["reissue_calls"] == [[(1, 3)]] and results[1]["reissue_calls"] == []  # the controller's only
+
+
+def test_a_group_issued_again_can_complete_in_the_same_take() -> None:
+    """The trainer's bookkeeping of streamed prompts: the controller drops a stale group and issues its
+    prompt again as a new round; that round's group can complete and be taken before the take ends.
+    Its prompt index is known then, and every taken or dropped group leaves the flight."""
+    from spmd_rl.step import GroupsInFlight
+
+    flight = GroupsInFlight()
+    flight.add(1, [10, 11, 12])
+    flight.add(2, [20, 21])
+    again = flight.reserve()  # (1, 1) too stale: its prompt 11 issued again as round 3
+    assert again == 3
+    taken = flight.take(groups=[(1, 0), (2, 1), (3, 0)], dropped=[(1, 1)], reissued=[(again, [11])])
+    assert taken == [10, 21, 11]
+    assert flight.rounds == {1: {2: 12}, 2: {0: 20}} and flight.outstanding == 2 and flight.next_round == 4
