@@ -12,8 +12,8 @@ change within 1e-3 (see CHANGE_TOL for why it is looser).
 
 One 4-process world checks FSDP 1D over all 4 ranks, HSDP 2x2 (``FsdpConfig(fsdp_size=2)``),
 FSDP 1D on 2 processes — two independent 2-rank pools (ranks 0-1 and 2-3, meshes built with
-``start``), each doing the whole update — and four one-rank engines (the path that reduces the
-gradients once, after the last micro-batch); one 8-process world checks FSDP 1D over 8 ranks and HSDP
+``start``), each doing the whole update — and four one-rank engines (the plain module of
+``spmd_rl/engine/mixed.py``, no FSDP); one 8-process world checks FSDP 1D over 8 ranks and HSDP
 2x4 (two replicas of a 4-way shard). A
 1-process world checks that the engine's ``compute_logprobs`` equals the native rollout's sampling
 log-probs for the same tokens.
@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from spmd_rl.algo.objective import actor_objective
 from spmd_rl.config import ActorConfig, AlgoConfig, FsdpConfig
@@ -164,7 +165,8 @@ def engine_update(folder: str, batch: RolloutBatch, *, mesh: Any, group: Any, fs
     dist.all_reduce(loss, group=group)
     # clipped, as stepped; numpy because tensors returned through run_distributed's queue go by shared
     # memory, which is gone once the worker exits
-    grads = {n: p.grad.full_tensor().numpy() for n, p in engine.model.named_parameters()}
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).numpy()  # plain on one rank
+             for n, p in engine.model.named_parameters()}
     weights = {n: t.numpy().copy() for n, t in engine.named_full_tensors()}
     return dict(loss=loss.item(), grad_norm=stats["grad_norm"], grads=grads, weights=weights,
                 micro_batches=len(losses), rows=len(mine))

@@ -1,5 +1,10 @@
 """FSDP2 engine: a Hugging Face causal LM sharded with ``fully_shard`` on the actor's mesh.
 
+On a mesh of one rank (one GPU, no Ulysses) the model is not wrapped: it stays the plain module,
+whose fp32 weights are cast to bf16 compute copies once per pass (:mod:`spmd_rl.engine.mixed`,
+FSDP2's mixed precision without its per-layer hooks and DTensors; ``actor.fsdp.wrap_one_rank``
+wraps it anyway). Everything below holds on both; what is FSDP's alone says so.
+
     engine = FSDPEngine(model_folder=..., mesh=plan.fsdp.build(...), device=env.device,
                         actor=cfg.actor, total_updates=..., trainable=True)
     logprobs, entropy = engine.compute_logprobs(batch, temperature=1.0, micro_batch_size=8)
@@ -26,10 +31,10 @@ block-diagonal SDPA mask on CPU): no query row is ever fully masked. Every forwa
 scores only response positions, a chunk of positions at a time. On GPU AdamW is the fused kernel.
 
 Around one call: all its micro-batches are staged on the device before the first forward
-(:mod:`spmd_rl.engine.inputs`). On a one-rank mesh gradients are reduced after the last
+(:mod:`spmd_rl.engine.inputs`). On a one-rank FSDP mesh gradients are reduced after the last
 micro-batch only, on more ranks after each (:meth:`FSDPEngine._gradient_sync`). Where a shard spans
 one rank (``actor.fsdp.gather_once``, default on) the parameters are gathered once per pass over the
-micro-batches instead of a cast and copy per layer and micro-batch (:meth:`FSDPEngine._one_gather`).
+micro-batches instead of a cast and copy per layer and micro-batch (:meth:`FSDPEngine._one_pass`).
 ``actor.fsdp.compile_layers`` compiles each decoder layer in place. A non-finite gradient norm skips
 the optimizer step (:class:`~spmd_rl.engine.base.NonfiniteGuard`, at most
 ``actor.skip_nonfinite_updates`` in a row) after replaying the mini-batch under
@@ -57,7 +62,7 @@ checkpoint state holds the adapters and their optimizer state only.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -74,6 +79,7 @@ from spmd_rl.engine import lora as lora_utils
 from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available, keep_logits_bytes
 from spmd_rl.engine.inputs import Staged, stage
+from spmd_rl.engine.mixed import ComputeCopies
 from spmd_rl.engine.nanwatch import NonfiniteWatch
 from spmd_rl.engine.value import ValueHead, load_value_model
 from spmd_rl.models import load_causal_lm
@@ -117,6 +123,7 @@ class FSDPEngine:
         seed: int = 0,
         moe_aux_coef: float = 0.0,
         lora: LoraConfig | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         """``group``: every rank running this engine in lockstep (the pool; None = the world);
         dynamic micro-batch counts are agreed over it. ``sp_group``: this rank's Ulysses group
@@ -126,7 +133,9 @@ class FSDPEngine:
         ``value_model``: the critic, a one-output token classifier whose values take the place of
         log-probs everywhere (:mod:`spmd_rl.engine.value`; a new head is initialised from ``seed``).
         ``moe_aux_coef``: weight of an MoE model's router load-balancing loss (module docstring).
-        ``lora``: train adapters of this rank instead of the weights (None or rank 0 = full fine-tuning)."""
+        ``lora``: train adapters of this rank instead of the weights (None or rank 0 = full fine-tuning).
+        ``compute_dtype``: the dtype forwards and backwards compute in (None = bf16 on GPU, fp32 on CPU;
+        the weights, gradients and optimizer state stay fp32)."""
         if trainable and actor is None:
             raise ValueError("a trainable FSDPEngine needs the actor config section")
         self.device = device
@@ -136,6 +145,7 @@ class FSDPEngine:
         self.param_offload = fsdp.param_offload if param_offload is None else param_offload
         self.optimizer_offload = fsdp.optimizer_offload
         self.on_gpu = device.type == "cuda"
+        self.compute_dtype = compute_dtype or (torch.bfloat16 if self.on_gpu else torch.float32)
         self._params_on_device = self._optimizer_on_device = True
         self.group = group
         self.sp_size = dist.get_world_size(sp_group) if sp_group is not None else 1
@@ -173,8 +183,11 @@ class FSDPEngine:
         self.fused_head = fused_available(device)  # compiled vocabulary kernels on CUDA (engine/head.py)
         self.keep_logits_bytes = keep_logits_bytes(fsdp.keep_logits_gib, device)
         self.reduce_every_micro_batch = mesh.size() > 1  # see _gradient_sync
-        # a shard dimension of one rank: FSDP's per-layer gather is a copy (see _one_gather)
-        self.gather_once = fsdp.gather_once and mesh.shape[-1] == 1 and hasattr(FSDPModule, "set_reshard_after_forward")
+        # one rank: the plain module with compute copies of its weights (engine/mixed.py), not FSDP
+        self.sharded = fsdp.wrap_one_rank or mesh.size() > 1 or self.sp_group is not None
+        # a shard dimension of one rank: FSDP's per-layer gather is a copy (see _one_pass)
+        self.gather_once = (self.sharded and fsdp.gather_once and mesh.shape[-1] == 1
+                            and hasattr(FSDPModule, "set_reshard_after_forward"))
         self._reshard_after_forward = fsdp.reshard_after_forward
         if gradient_checkpointing and trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -182,20 +195,24 @@ class FSDPEngine:
             model.requires_grad_(False)
         self.lora = lora if lora is not None and lora.enabled and trainable else None
         self.peft = lora_utils.apply_lora(model, self.lora) if self.lora is not None else None
-        if self.peft is not None and self.on_gpu:  # the frozen base computes in bf16 anyway: store it so
+        mixed = self.compute_dtype != torch.float32
+        if self.peft is not None and mixed:  # the frozen base computes in bf16 anyway: store it so
             for p in model.parameters():
                 if not p.requires_grad:
-                    p.data = p.data.to(torch.bfloat16)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.on_gpu else MixedPrecisionPolicy()
+                    p.data = p.data.to(self.compute_dtype)
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
         for layer in _decoder_layers(model):
             if fsdp.compile_layers:
                 layer.compile(dynamic=True)  # in place: module identity and parameter names stay
-            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
+            if self.sharded:
+                fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
+        if self.sharded:
+            fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
+        self.copies = None if self.sharded else ComputeCopies(model, self.compute_dtype)
         model.to(device)
         model.train(trainable)
         self.model = model
@@ -293,17 +310,19 @@ class FSDPEngine:
         """
         self.onload()
         was_training = self.model.training
-        self.model.eval()
+        if was_training:  # a walk over every module: not for the reference, which never trains
+            self.model.eval()
         logprobs = torch.zeros(len(batch), batch.response_len, device=self.device)
         entropies = torch.zeros_like(logprobs) if with_entropy else None
         staged = [self._stage(batch.select(rows), rows) for rows in self._micro_rows(batch, micro_batch_size)]
-        with self._one_gather():
+        with self._one_pass():
             for micro in staged:
                 lp, ent, _ = self._forward(micro, temperature, "detached" if with_entropy else "none")
                 logprobs[micro.index] = lp
                 if entropies is not None and ent is not None:
                     entropies[micro.index] = ent
-        self.model.train(was_training)
+        if was_training:
+            self.model.train()
         self.offload()
         return logprobs, entropies
 
@@ -325,7 +344,7 @@ class FSDPEngine:
         bad_losses = torch.zeros((), dtype=torch.long, device=self.device)  # summed without a sync per micro-batch
         staged = [self._stage(micro) for micro in micro_batches]
         aux_sum = torch.zeros((), device=self.device)
-        with self._one_gather():  # ends before the optimizer step: the next forward gathers the new weights
+        with self._one_pass():  # ends before the optimizer step: the next forward gathers the new weights
             for i, micro in enumerate(staged):
                 self._gradient_sync(last=i == len(staged) - 1)
                 logprobs, entropy, aux = self._forward(micro, temperature, "grad" if need_entropy_grad else "detached")
@@ -333,6 +352,8 @@ class FSDPEngine:
                 loss = loss + self._aux_term(aux, len(staged), aux_sum)
                 bad_losses += ~torch.isfinite(loss.detach())
                 loss.backward()
+                if self.copies is not None:
+                    self.copies.grads_to_weights()
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = self._clip_grad_norm(params)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -368,12 +389,14 @@ class FSDPEngine:
         (cast and copy into a flat buffer, copy out, accumulate into the shards) once per step instead
         of once per micro-batch. With more ranks, every micro-batch's reduce-scatter overlaps the next
         one's compute and keeps the gradients sharded, so it stays."""
-        if not self.reduce_every_micro_batch:
+        if self.sharded and not self.reduce_every_micro_batch:
             self.model.set_requires_gradient_sync(last)
 
     @contextmanager
-    def _one_gather(self) -> Iterator[None]:
-        """One pass over micro-batches; with :attr:`gather_once`, the parameters are gathered once.
+    def _one_pass(self) -> Iterator[None]:
+        """One pass over micro-batches. On one rank (not :attr:`sharded`) the modules hold compute copies
+        of the weights for the pass (:class:`~spmd_rl.engine.mixed.ComputeCopies`); with
+        :attr:`gather_once`, the parameters are gathered once.
 
         Where a shard spans one rank, FSDP2's all-gather is a cast and a copy per parameter (about
         3,400 small kernels per 1.5B step of three micro-batches, forward and backward) that frees
@@ -382,6 +405,10 @@ class FSDPEngine:
         reshards: the optimizer step then updates the fp32 shards and the next pass gathers the new
         values. Gradient reduction is unchanged (:meth:`_gradient_sync`). The NaN replay runs after
         the pass, with FSDP's per-layer gathers."""
+        if self.copies is not None:
+            with self.copies.swapped():
+                yield
+            return
         if not self.gather_once:
             yield
             return
@@ -419,17 +446,18 @@ class FSDPEngine:
         micro-batches, so FSDP's collectives stay matched; the gradients are thrown away."""
         self.optimizer.zero_grad(set_to_none=True)
         found = []
-        for i, micro in enumerate(micro_batches):
-            self._gradient_sync(last=i == len(micro_batches) - 1)
-            with NonfiniteWatch(self.model) as watch:
-                staged = self._stage(micro)
-                logprobs, entropy, aux = self._forward(staged, temperature, "grad" if need_entropy_grad else "detached")
-                loss, _ = loss_fn(logprobs, entropy, staged.micro)
-                loss = loss + self._aux_term(aux, len(micro_batches))
-                watch.track(loss)
-                loss.backward()
-            if watch.found:
-                found.append(f"micro-batch {i + 1} of {len(micro_batches)} ({len(micro)} responses): {watch.report()}")
+        with self.copies.swapped() if self.copies is not None else nullcontext():
+            for i, micro in enumerate(micro_batches):
+                self._gradient_sync(last=i == len(micro_batches) - 1)
+                with NonfiniteWatch(self.model) as watch:
+                    staged = self._stage(micro)
+                    logprobs, entropy, aux = self._forward(staged, temperature, "grad" if need_entropy_grad else "detached")
+                    loss, _ = loss_fn(logprobs, entropy, staged.micro)
+                    loss = loss + self._aux_term(aux, len(micro_batches))
+                    watch.track(loss)
+                    loss.backward()
+                if watch.found:
+                    found.append(f"micro-batch {i + 1} of {len(micro_batches)} ({len(micro)} responses): {watch.report()}")
         if not found:
             return "a replay of this rank's micro-batches made no NaN/inf (not reproducible here, or on other ranks)"
         return "replayed: " + found[0] + (f" (and {len(found) - 1} more micro-batch(es))" if len(found) > 1 else "")
@@ -480,7 +508,7 @@ class FSDPEngine:
         """``{"model", "optimizer", "scheduler"}`` for ``torch.distributed.checkpoint``.
 
         Model and optimizer entries are this rank's DTensor shards under HF parameter names (no
-        gather), so DCP can reload them on another world size or mesh. A trainable engine whose
+        gather; plain tensors on one rank), so DCP can reload them on another world size or mesh. A trainable engine whose
         optimizer has not stepped yet gets its state created first (a zero-lr step, weights
         unchanged) so that a load has tensors to fill. The reference engine has only ``model``.
         Tensors stay where they are (offloaded ones on the CPU); DCP writes them from there.
@@ -536,16 +564,23 @@ class FSDPEngine:
     def offload(self) -> None:
         """Between phases: sharded parameters (and gradients) to CPU when ``param_offload``,
         optimizer state to CPU when ``optimizer_offload``. A no-op on CPU runs, where everything
-        already lives in host memory. Idempotent."""
+        already lives in host memory. Idempotent.
+
+        torch's allocator returns its cached blocks to the driver only when something moved: after
+        every phase that cost a 135M-parameter step ~25 ms plus the next phase's fresh allocations,
+        and within the process the allocator frees its cache itself before it fails an allocation.
+        A rollout that allocates outside it (vLLM waking up) empties the cache itself."""
         if not self.on_gpu:
             return
+        moved = False
         if self.param_offload and self._params_on_device:
             self.model.to("cpu")  # FSDP2 re-points its shards; Parameter objects (optimizer refs) survive
-            self._params_on_device = False
+            self._params_on_device, moved = False, True
         if self.optimizer_offload and self.optimizer is not None and self._optimizer_on_device:
             _move_optimizer_state(self.optimizer, torch.device("cpu"))
-            self._optimizer_on_device = False
-        torch.cuda.empty_cache()
+            self._optimizer_on_device, moved = False, True
+        if moved:
+            torch.cuda.empty_cache()
 
     def onload(self, *, optimizer: bool = False) -> None:
         """Parameters back on the device for compute; optimizer state too when ``optimizer``

@@ -1,0 +1,81 @@
+"""Mixed precision without FSDP, for an engine on one rank: compute copies of the fp32 weights.
+
+On a mesh of one rank FSDP2 shards nothing, yet it still runs its hooks around every layer, keeps
+the parameters as DTensors (so the optimizer step, the gradient norm and every parameter access go
+through DTensor dispatch) and casts the weights per layer. On one H200 the update of 256 SmolLM2-135M
+responses took 0.435 s that way and the reference pass 0.278 s; the same forward and backward on the
+plain module took 0.155 s, the forward alone 0.038 s (docs/PERF.md). So on one rank the engine keeps
+the plain Hugging Face module (``actor.fsdp.wrap_one_rank`` restores FSDP there) and does what
+FSDP2's mixed precision does, once per pass over the micro-batches:
+
+* inside ``with copies.swapped():`` every floating-point weight whose dtype is not the compute dtype
+  is replaced, in its module, by a copy in the compute dtype: a fresh leaf that records a gradient
+  when the weight does; tied weights share one copy; leaving the block puts the weights back;
+* after each backward, :meth:`ComputeCopies.grads_to_weights` adds each copy's gradient, cast to
+  the weight's dtype, into the weight's ``.grad`` and drops the copy's. FSDP2 likewise accumulates
+  the micro-batches' gradients in its reduce dtype (fp32), each cast from the compute dtype.
+
+The optimizer, the gradient norm, checkpoints and weight export see the fp32 weights only, as on a
+sharded mesh, and the numbers are FSDP2's on one rank (``tests/test_fsdp_one_rank.py`` checks them
+bit for bit). Where the compute and weight dtypes agree (fp32 on CPU, a LoRA base stored in bf16)
+nothing is copied.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+class ComputeCopies:
+    """The compute-dtype copies of ``model``'s weights for one pass (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        self.model = model
+        self.dtype = dtype
+        self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (weight, copy) of this pass
+
+    def _slots(self) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+        # every (module, name) that holds such a weight, a tied weight under each of its names; read at
+        # every pass, so weights moved or replaced between passes are found where they are
+        return [(module, name, p) for module in self.model.modules() for name, p in module._parameters.items()
+                if p is not None and p.is_floating_point() and p.dtype != self.dtype]
+
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The modules hold the compute copies inside the block, their weights again after it."""
+        slots = self._slots()
+        if self._pairs:
+            raise RuntimeError("ComputeCopies.swapped() does not nest")
+        grad = torch.is_grad_enabled()
+        copies: dict[int, torch.nn.Parameter] = {}
+        for module, name, weight in slots:
+            copy = copies.get(id(weight))
+            if copy is None:
+                copy = torch.nn.Parameter(weight.detach().to(self.dtype), requires_grad=grad and weight.requires_grad)
+                copies[id(weight)] = copy
+                self._pairs.append((weight, copy))
+            module._parameters[name] = copy
+        try:
+            yield
+        finally:
+            for module, name, weight in slots:
+                module._parameters[name] = weight
+            self._pairs = []
+
+    @torch.no_grad()
+    def grads_to_weights(self) -> None:
+        """Add the copies' gradients (cast) into their weights' ``.grad``; the copies' go."""
+        for weight, copy in self._pairs:
+            if copy.grad is None:
+                continue
+            if weight.grad is None:
+                weight.grad = copy.grad.to(weight.dtype)
+            else:
+                weight.grad.add_(copy.grad)
+            copy.grad = None
+
+
+__all__ = ["ComputeCopies"]
