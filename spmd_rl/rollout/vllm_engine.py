@@ -248,7 +248,7 @@ class VllmRollout:
         """
         self._check_usable("load_weights")
         if self.sleep_supported and not self._weights_awake:
-            self.llm.wake_up(tags=["weights"])
+            self._wake(["weights"])
         self._weights_awake = True
         count = [0]
 
@@ -295,11 +295,15 @@ class VllmRollout:
         if not self._sleep_level:
             return
         if self.sleep_supported:
-            tags = ["kv_cache"] if self._weights_awake else ["weights", "kv_cache"]
-            self.llm.wake_up(tags=tags)
+            self._wake(["kv_cache"] if self._weights_awake else ["weights", "kv_cache"])
             self._weights_awake = True
         self._reset_prefix_cache()
         self._sleep_level = 0
+
+    def _wake(self, tags: list[str]) -> None:
+        if self.device.type == "cuda":  # vLLM allocates beside torch's allocator: hand it torch's cached blocks
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=tags)
 
     def _reset_prefix_cache(self) -> None:
         """Cached prompt blocks were computed with the old weights: drop them."""
