@@ -62,14 +62,14 @@ def test_resume_with_rounds_in_flight(tmp_path):
 @pytest.mark.alone  # it measures two processes side by side: no other test's processes beside them
 def test_long_tail_overlap_matches_the_model(tmp_path):
     """A long tail on one actor and one rollout process: response lengths drawn per response
-    (lognormal, 2..24 tokens) and a rollout that sleeps 60 ms per decode step, so a round waits for
-    its longest response (~1.5 s) while the actor's work (~0.5 s) follows the total tokens. S = 1
+    (lognormal, 2..24 tokens) and a rollout that sleeps 30 ms per decode step, so a round waits for
+    its longest response (~0.8 s) while the actor's work (~0.2 s) follows the total tokens. S = 1
     hides the update behind generation: its step is below the synchronous one by about what
     bench/async_sim.py predicts from the synchronous run's gen / actor / weight-sync times, and below
     the rollout's generation plus the actor's own work measured in the same run. Generation is the
     longer half, so a busy machine that slows the actor down changes the S = 1 step little."""
     flags = [*POOL, "--rollout.max-new-tokens", "24", "--rollout.ignore-eos", "--rollout.length-dist", "lognormal",
-             "--rollout.min-new-tokens", "2", "--rollout.token-delay-s", "0.06", "--trainer.total-steps", "6",
+             "--rollout.min-new-tokens", "2", "--rollout.token-delay-s", "0.03", "--trainer.total-steps", "6",
              "--actor.micro-batch-size", "8"]
     runs = {}
     for s in (0, 1):
