@@ -10,13 +10,15 @@ Random weights from a config (``bench/shapes.py``), fp32 master weights computed
 Each GPU holds ``--rows`` responses (weak scaling) with a realistic spread: prompts uniform in
 ``--prompt-len``, responses log-normal around ``--response-median`` clipped to
 ``[8, --response-max]``. One optimizer step (``FSDPEngine.train_mini_batch``, PPO clip + KL, as the
-trainer runs it) is timed per repeat after a warm-up step, for each layout of ONE engine:
+trainer runs it) is timed per repeat after ``--warmup`` untimed steps, for each layout of ONE engine:
 
 * ``padded``        ``--micro-batch-size`` rows per micro-batch, left/right padding;
 * ``packed+mask``   packed rows, token-budget micro-batches, SDPA with a dense block-diagonal mask
                     (the CPU path; on GPU the path before the flash varlen kernel);
 * ``packed+flash``  packed rows through torch's flash varlen kernel (the GPU default);
-* ``+compile``      (``--compile``) the last one with every decoder layer under ``torch.compile``.
+* ``+compile``      (``--compile``) the last one with every decoder layer under ``torch.compile``;
+* ``+plain``        on one GPU: the engine's plain module (``spmd_rl/engine/mixed.py``), not FSDP2
+                    (``--wrap-one-rank`` wraps it).
 
 Before timing, the packed log-probs of the flash kernel are compared with the dense-mask ones
 on the same batch (GPU), and every row shows the first step's gradient norm (lr is 1e-6, so the
@@ -85,7 +87,8 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
     rows_out: list[dict[str, object]] = []
     for suffix, compile_layers in engines:
         fsdp = FsdpConfig(reshard_after_forward=args.reshard_after_forward, compile_layers=compile_layers,
-                          gather_once=args.gather_once, keep_logits_gib=args.keep_logits_gib)
+                          gather_once=args.gather_once, keep_logits_gib=args.keep_logits_gib,
+                          wrap_one_rank=args.wrap_one_rank)
         engine = FSDPEngine(model_folder=folder, mesh=FsdpLayout(world).build(dev.type), device=dev, fsdp=fsdp,
                             actor=ActorConfig(lr=1e-6, grad_clip=1.0), total_updates=10 ** 6, trainable=True,
                             pad_token_id=0, use_packing=True, max_tokens_per_gpu=args.max_tokens_per_gpu)
@@ -142,13 +145,13 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
                 torch.cuda.reset_peak_memory_stats(dev)
             seconds, norms = [], []
             try:
-                for i in range(args.repeats + 1):
+                for i in range(args.warmup + args.repeats):
                     _sync(dev)
                     start = time.perf_counter()
                     stats = engine.train_mini_batch(micros, loss_fn, temperature=1.0, need_entropy_grad=False)
                     norms.append(stats["grad_norm"])
                     _sync(dev)
-                    if i:  # the first step warms up (allocator, kernels, compilation)
+                    if i >= args.warmup:  # warm-up steps: allocator, kernels, compilation
                         seconds.append(time.perf_counter() - start)
             except Exception as e:  # one layout failing (e.g. out of memory) must not hide the others
                 if env.is_main:
@@ -160,7 +163,7 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
             s = statistics.median(seconds)
             peak = peak_flops(dev)
             row: dict[str, object] = {
-                "shape": shape, "layout": name + suffix, "gpus": world, "rows_per_gpu": args.rows,
+                "shape": shape, "layout": name + suffix + ("" if engine.sharded else "+plain"), "gpus": world, "rows_per_gpu": args.rows,
                 "micro_batches": len(micros), "real_tokens": real, "seconds": s, "tokens_per_s": real / s,
                 "tokens_per_s_per_gpu": real / s / world, "tflops_per_gpu": flops / s / world / 1e12,
                 "mfu": flops / s / (peak * world) if peak else None, "grad_norm": norms[0],
@@ -299,12 +302,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--response-max", type=int, default=1024)
     p.add_argument("--micro-batch-size", type=int, default=16, help="rows per padded micro-batch")
     p.add_argument("--max-tokens-per-gpu", type=int, default=24576, help="tokens per packed micro-batch")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="timed steps (their median is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (a small model's first ~10 steps "
+                   "in a process run slower)")
     p.add_argument("--compile", action="store_true", help="also time the last layout with compiled decoder layers")
     p.add_argument("--compile-only", action="store_true", help="only the compiled layers (skips the eager layouts)")
     p.add_argument("--layouts", nargs="+", default=None, help="only these layouts (e.g. packed+flash)")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP2 reshard_after_forward (off: parameters stay gathered, and cast, until the backward)")
+    p.add_argument("--wrap-one-rank", action="store_true",
+                   help="FsdpConfig.wrap_one_rank: FSDP2 on one GPU too (default: the plain module, engine/mixed.py)")
     p.add_argument("--gather-once", action=argparse.BooleanOptionalAction, default=True,
                    help="FsdpConfig.gather_once (off: FSDP's per-layer gathers, also on one-rank shards)")
     p.add_argument("--keep-logits-gib", type=float, default=None,
