@@ -31,7 +31,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from spmd_rl.rollout import decode_attention, fast
 from spmd_rl.rollout.fast import FastDecoder
-from spmd_rl.rollout.slots import size
+from spmd_rl.rollout.slots import free_bytes, size
 
 LENGTHS = [5, 13, 2, 9, 17, 7, 11, 3]  # 8 prompts x n = 2: 16 rows on 2 slots
 
@@ -175,6 +175,20 @@ def test_a_cache_that_does_not_fit_fails_before_allocating(root: Path, prompts) 
     assert fd.cache is None  # nothing allocated
     fd.memory_budget = need
     assert greedy(e, prompts, n=2, max_new_tokens=100).response_ids.shape[0] == 16
+
+
+def test_free_memory_counts_the_allocators_cache_and_the_process_fraction(monkeypatch) -> None:
+    """What a cache may take on CUDA: the allocator's unused reserve plus the driver's free memory, but
+    no more than this process's memory fraction lets the allocator reserve (``pools.colocate``)."""
+    gib = 2 ** 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 * gib)
+    cuda = torch.device("cuda", 0)
+    for fraction, room in ((1.0, 10 + 60), (0.5, 10 + 20), (0.25, 10)):
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None, f=fraction: f)
+        assert free_bytes(cuda) == room * gib, fraction
+    assert free_bytes(torch.device("cpu")) is None
 
 
 # Qwen2.5-1.5B: 28 layers, hidden 1536, 12 heads / 2 KV heads of 128, MLP 8960, vocab 151936, tied

@@ -26,12 +26,16 @@ import torch
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """Memory a new allocation on ``device`` can take: the driver's free memory plus what torch's
-    allocator holds unused; None off CUDA (no check there)."""
+    """Memory a new allocation on ``device`` can take: what torch's allocator holds unused plus what it
+    may still reserve, the driver's free memory capped by this process's memory fraction (set for
+    processes that share a GPU, ``pools.colocate``); None off CUDA (no check there)."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+    growth = min(free, max(0, int(total * fraction) - reserved))
+    return reserved - allocated + growth
 
 
 def size(n: float) -> str:
