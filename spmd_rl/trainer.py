@@ -27,6 +27,10 @@ else is symmetric. Per step:
 10. update      mini-batches x micro-batches with global token normalisation;
 11. critic_update  the critic's value loss, the same mini-batches (PPO with a critic only).
 
+With ``trainer.max_staleness`` S > 0 (a rollout pool) stages 1-2 become ``wait_rollout``: the step
+takes rows the pool generated while earlier updates ran (:mod:`spmd_rl.schedule`); after the update,
+``wait_weights`` sends the new weights and the schedule issues the next work.
+
 Every stage runs under a timer (``timing_s/<stage>``), which is also a ``stage/<name>`` profiler
 range for ``trainer.profile_steps`` (:mod:`spmd_rl.profiling`). Metrics are accumulated locally and
 reduced over the pool once per step; the update's loss metrics stay device tensors until their
@@ -70,8 +74,8 @@ from spmd_rl.profiling import format_stage_times, profiled, stage_times
 from spmd_rl.reward import overlong_penalty
 from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout_from_config
-from spmd_rl.rollout.pool_stream import issue_stream, take_groups
-from spmd_rl.step import GroupsInFlight, InFlight, Placement, StageTimer, rollout_seed
+from spmd_rl.schedule import AsyncSchedule
+from spmd_rl.step import Placement, StageTimer, rollout_seed
 
 log = logging.getLogger("spmd_rl")
 
@@ -107,10 +111,10 @@ class Trainer:
             pool_groups=groups.rollout_pool_groups)
         self.policy_version = self.rollout_version = 0  # actor updates so far / those the rollout holds
         self.row_weight = 1.0  # what a row this rank holds counts in sums (< 1 where rows repeat over ranks)
-        self.staleness, self.stream = cfg.trainer.max_staleness, cfg.rollout.stream
-        self.in_flight = GroupsInFlight() if self.stream else InFlight()
+        self.staleness = cfg.trainer.max_staleness
         if self.link is not None:  # the bounded queue between the pools: S + 1 training rounds and a validation one
             self.link.max_in_flight = self.staleness + 2
+        self.schedule = self._async_schedule()
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.dynamic = DynamicSampling(  # DAPO: rounds until data.train_batch_size groups whose scores differ
@@ -120,7 +124,7 @@ class Trainer:
         self.step = 0
         self.checkpointer.track(model_folder=self.model_folder, export=self.actor.export_weights,
                                 actor=self.actor, sampler=self.sampler, optional=["in_flight"],  # none: nothing in flight
-                                **({"in_flight": self.in_flight} if self.staleness else {}),
+                                **({"in_flight": self.schedule.in_flight} if self.schedule else {}),
                                 **({"critic": self.critic.engine} if self.critic else {}))
         self.checkpointer.check_writable(checkpoint_bytes(  # before the first step, not at the first save
             model_parameters(self.model_folder) * (2 if self.critic else 1),
@@ -149,6 +153,15 @@ class Trainer:
                                    total_steps=cfg.trainer.total_steps, mini_batches=self.mini_batches,
                                    sum_weight=self.place.sum_weight, group=self.group)
         self.teacher = self._teacher(groups)  # on-policy distillation (teacher.model.path)
+
+    def _async_schedule(self) -> AsyncSchedule | None:
+        """What is in flight between the pools when S > 0 (:mod:`spmd_rl.schedule`); None when synchronous."""
+        if not self.staleness:
+            return None
+        cfg = self.cfg
+        return AsyncSchedule(self.link, group=self.group, staleness=self.staleness, stream=cfg.rollout.stream,
+                             total_steps=cfg.trainer.total_steps, batch_size=cfg.data.train_batch_size,
+                             pad_token_id=self.pad_id, draw=self.draw, prompts=self.prompts, sampling=self.sampling)
 
     def _teacher(self, groups: RunGroups):
         """The teacher's log-probs: a frozen FSDP engine on the actor's mesh, or the teacher pool's link."""
@@ -201,17 +214,9 @@ class Trainer:
         self.step = self.policy_version = self.checkpointer.resume()  # resumed weights: the rollout syncs first
         if cfg.val_every and self.step == 0:  # a resumed run validated this step before saving it
             self.sink.log(self.validate(), self.step)
-        if self.stream:  # prompts in flight: those a checkpoint held (generated again), then more
+        if self.schedule is not None:  # what a checkpoint held in flight (generated again), then up to S + 1 rounds
             self.sync_weights()
-            self.fill_stream()
-        elif self.staleness:  # rounds in flight: those a checkpoint held (regenerated), then up to S + 1
-            self.sync_weights()
-            restored = self.in_flight.reissue()
-            self.in_flight.next_step = restored[0][0] if restored else self.step + 1
-            for step, indices in restored:
-                self.issue(step, indices)
-            while self.in_flight.next_step <= min(self.step + self.staleness + 1, cfg.total_steps):
-                self.issue(self.in_flight.next_step)
+            self.schedule.start(self.step)
         while self.step < cfg.total_steps:
             self.step += 1
             self.sink.step_started(self.step, self.env.device)
@@ -220,9 +225,9 @@ class Trainer:
             trace = os.path.join(cfg.output_dir, "profile", f"step{self.step}_rank{self.env.rank}.json.gz")
             profiling = profiled(self.env.device, trace) if self.step in cfg.profile_steps else nullcontext()
             with profiling as prof, timer("step"):
-                if self.staleness:  # the oldest round in flight, generated while earlier updates ran
+                if self.schedule is not None:  # rows generated while earlier updates ran
                     with timer("wait_rollout"):
-                        batch = self.take_groups(acc) if self.stream else self.take(acc)
+                        batch = self.take(acc)
                 else:
                     with timer("weight_sync"):
                         self.sync_weights()
@@ -248,13 +253,10 @@ class Trainer:
                 if self.critic is not None:
                     with timer("critic_update"):
                         self.critic.update(batch, acc)
-                if self.staleness:  # new weights to the rollout pool, once it is done with its round
+                if self.schedule is not None:  # new weights to the rollout pool, once it is done with its round
                     with timer("wait_weights"):
                         self.sync_weights()
-                    if self.stream:
-                        self.fill_stream()
-                    elif self.in_flight.next_step <= min(self.step + self.staleness + 1, cfg.total_steps):
-                        self.issue(self.in_flight.next_step)
+                    self.schedule.refill(self.step)
             last = self.finish_step(batch, acc, timer)
             if prof is not None and self.env.is_main:
                 log.info("step %d under torch.profiler (trace: %s):\n%s", self.step, trace,
@@ -298,57 +300,16 @@ class Trainer:
         n = sampling["n"]
         return self.to_batch(indices, (mine[0] * n, (mine[-1] + 1) * n), out, acc, weight=1.0)
 
-    def issue(self, step: int, indices: list[int] | None = None) -> None:
-        """Asynchronous GRPO: start generating ``step``'s batch on the rollout pool (``indices``: a
-        round a checkpoint held; else the next draw)."""
-        indices = self.draw() if indices is None else indices
-        self.in_flight.add(step, indices)
-        self.link.issue([self.train_ids[i] for i in indices] if self.env.is_main else None, self.sampling(step),
-                        kind="train", num_prompts=len(indices), pad_token_id=self.pad_id)
+    def prompts(self, indices: list[int]) -> list[list[int]] | None:
+        """The token ids of training prompts, on the controller (the rank that sends them); None elsewhere."""
+        return [self.train_ids[i] for i in indices] if self.env.is_main else None
 
     def take(self, acc: MetricAccumulator) -> RolloutBatch:
-        """Asynchronous GRPO: this step's batch, the oldest round in flight, with its staleness."""
-        step, indices = self.in_flight.pop()
-        assert step == self.step, (step, self.step)
-        rows, out = self.link.take()
-        batch = self.staleness_of(self.to_batch(indices, rows, out, acc), out, acc)
-        acc.add_max("async/queue_depth", float(self.link.in_flight))
-        acc.add_max("async/rollout_busy_s", out["gen_seconds"].max().item() if len(out["gen_seconds"]) else 0.0)
-        return batch
-
-    def fill_stream(self) -> None:
-        """``rollout.stream``: issue prompts (rounds of ``data.train_batch_size``, those a checkpoint held
-        first) until (S + 1) x ``data.train_batch_size`` are in flight, or what the remaining steps need."""
-        size = self.cfg.data.train_batch_size
-        for round_, indices in self.in_flight.reissue():
-            self.issue_round(round_, indices)
-        need = (self.cfg.trainer.total_steps - self.step) * size
-        while self.in_flight.outstanding + size <= (self.staleness + 1) * size and self.in_flight.outstanding < need:
-            self.issue_round(self.in_flight.next_round)
-
-    def issue_round(self, round_: int, indices: list[int] | None = None) -> None:
-        indices = self.draw() if indices is None else indices
-        self.in_flight.add(round_, indices)
-        issue_stream(self.link, [self.train_ids[i] for i in indices] if self.env.is_main else None,
-                     self.sampling(round_), round_=round_, num_prompts=len(indices), pad_token_id=self.pad_id)
-
-    def _reissue(self, keys: list[tuple[int, int]]) -> tuple[int, list[int]]:
-        """The controller, for groups dropped as too stale: their prompts again, as a new round."""
-        indices = [self.in_flight.sample(*key) for key in keys]
-        round_ = self.in_flight.reserve()
-        issue_stream(self.link, [self.train_ids[i] for i in indices], self.sampling(round_), round_=round_,
-                     num_prompts=len(indices), pad_token_id=self.pad_id)
-        return round_, indices
-
-    def take_groups(self, acc: MetricAccumulator) -> RolloutBatch:
-        """``rollout.stream``: the next ``data.train_batch_size`` complete groups, with their staleness."""
-        taken = take_groups(self.link, count=self.cfg.data.train_batch_size, policy_version=self.policy_version,
-                            max_staleness=self.staleness, actor_group=self.group, reissue=self._reissue)
-        indices = self.in_flight.take(taken.groups, taken.dropped, taken.reissued)
-        batch = self.staleness_of(self.to_batch(indices, taken.rows, taken.tensors, acc), taken.tensors, acc)
-        acc.add_max("async/queue_depth", float(taken.queue_depth))
-        acc.add_max("async/dropped_groups", float(len(taken.dropped)))
-        acc.add_max("async/rollout_busy_s", taken.rollout_busy_s)
+        """Asynchronous GRPO: this step's rows from the rollout pool (:mod:`spmd_rl.schedule`), with their staleness."""
+        taken = self.schedule.take(self.step, self.policy_version)
+        batch = self.staleness_of(self.to_batch(taken.indices, taken.rows, taken.out, acc), taken.out, acc)
+        for name, value in taken.metrics.items():
+            acc.add_max(name, value)
         return batch
 
     def staleness_of(self, batch: RolloutBatch, out: dict, acc: MetricAccumulator) -> RolloutBatch:
