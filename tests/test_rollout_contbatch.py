@@ -184,10 +184,19 @@ def test_free_memory_counts_the_allocators_cache_and_the_process_fraction(monkey
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 100 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 * gib)
-    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    asked = []
+
+    def fraction_of(f: float):
+        def get(device):  # torch's wants an index: a device without one raises there
+            asked.append(device)
+            return f
+        return get
+
     for fraction, room in ((1.0, 10 + 60), (0.5, 10 + 20), (0.25, 10)):
-        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None, f=fraction: f)
-        assert free_bytes(cuda) == room * gib, fraction
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction_of(fraction))
+        assert free_bytes(torch.device("cuda")) == room * gib, fraction
+    assert asked == [0, 0, 0]
     assert free_bytes(torch.device("cpu")) is None
 
 

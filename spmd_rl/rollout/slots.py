@@ -31,9 +31,10 @@ def free_bytes(device: torch.device) -> int | None:
     processes that share a GPU, ``pools.colocate``); None off CUDA (no check there)."""
     if device.type != "cuda":
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
-    fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+    index = torch.cuda.current_device() if device.index is None else device.index  # the fraction wants one
+    free, total = torch.cuda.mem_get_info(index)
+    reserved, allocated = torch.cuda.memory_reserved(index), torch.cuda.memory_allocated(index)
+    fraction = torch.cuda.get_per_process_memory_fraction(index) if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
     growth = min(free, max(0, int(total * fraction) - reserved))
     return reserved - allocated + growth
 
