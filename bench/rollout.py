@@ -154,6 +154,30 @@ def ceiling_tok_s(model: torch.nn.Module, *, slots: int, prompt_len: int, length
     return slots * bandwidth / bytes_per_step(model, rows=slots, context=mean_context(prompt_len, lengths))
 
 
+def profile_replays(graph: torch.cuda.CUDAGraph, *, label: str, top: int, replays: int = 8) -> None:
+    """``replays`` replays of a decode step's graph under torch.profiler: the kernels' device time per
+    step by group (GEMM / attention / the rest) and the ``top`` kernels, to see where a step short of
+    the bandwidth ceiling goes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in kernels) / replays or 1.0  # us per step
+    groups = {"attention": ("flash", "fmha", "attention", "decode"), "gemm": ("gemm", "cutlass", "xmma", "nvjet", "cublas")}
+    share = {g: 0.0 for g in (*groups, "other")}
+    for e in kernels:
+        name = e.key.lower()
+        share[next((g for g, keys in groups.items() if any(k in name for k in keys)), "other")] += e.self_device_time_total / replays
+    print(f"profile {label}: kernels {total / 1e3:.2f} ms per step, {sum(e.count for e in kernels) // replays} "
+          "launches; " + ", ".join(f"{g} {t / 1e3:.2f} ms" for g, t in share.items()), flush=True)
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"  {e.self_device_time_total / replays / 1e3:7.3f} ms  x{e.count // replays:<4d} {e.key[:110]}", flush=True)
+
+
 def timed(fn, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -235,6 +259,8 @@ class Bench:
             replay_ms = 1e3 * timed(lambda: [graph.replay() for _ in range(32)], device) / 32
             read = args.prompt_len + 1 if fd.attention != "sdpa" else span  # varlen / triton: each row's own entries
             replay_tb_s = bytes_per_step(self.model, rows=batch, context=read) / (replay_ms / 1e3) / 1e12
+            if args.profile:
+                profile_replays(graph, label=f"{self.shape} batch {batch}", top=args.profile_top)
         hf, hf_tokens = None, 0
         if batch <= args.generate_max_batch:
             ids = prompts.to(device)
@@ -382,6 +408,9 @@ def main() -> None:
                         help="decode attention of the full-length layers, the table once per value: auto (the "
                              "rollout's pick), varlen / triton (each row's own cache entries), sdpa (masked, "
                              "over the step's span of slots)")
+    parser.add_argument("--profile", action="store_true", help="the fixed mix's decode step under torch.profiler: "
+                        "kernel time by group and the longest kernels")
+    parser.add_argument("--profile-top", type=int, default=12, help="how many kernels --profile lists")
     parser.add_argument("--out", type=str, default=None, help="write the table rows here as JSON")
     args = parser.parse_args()
 
