@@ -167,7 +167,7 @@ def profile_replays(graph: torch.cuda.CUDAGraph, *, label: str, top: int, replay
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in kernels) / replays or 1.0  # us per step
-    groups = {"attention": ("flash", "fmha", "attention", "decode"), "gemm": ("gemm", "cutlass", "xmma", "nvjet", "cublas")}
+    groups = {"attention": ("flash", "fmha", "attention", "_partials", "_merge"), "gemm": ("gemm", "cutlass", "xmma", "nvjet", "cublas")}
     share = {g: 0.0 for g in (*groups, "other")}
     for e in kernels:
         name = e.key.lower()
