@@ -25,6 +25,7 @@ mesh, offloaded between calls with ``reward.model.param_offload``); the reward p
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import torch
@@ -34,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from spmd_rl.config import RewardModelConfig
 from spmd_rl.data.prompts import has_chat_template, sample_messages
+from spmd_rl.engine.mixed import ComputeCopies
 from spmd_rl.models import load_reward_model, resolve_model_path
 
 
@@ -101,7 +103,7 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 class RewardModel:
     """A Hugging Face sequence classifier with one output, sharded with FSDP2 over ``mesh``
-    (one unit per decoder layer plus the root), frozen. Every rank of the mesh calls
+    (one unit per decoder layer plus the root; on a one-rank mesh the plain module), frozen. Every rank of the mesh calls
     :meth:`score` with the same ``num_micro_batches``."""
 
     def __init__(self, *, folder: str, mesh: DeviceMesh, device: torch.device, micro_batch_size: int,
@@ -114,10 +116,13 @@ class RewardModel:
         text = model.config.get_text_config()
         self.vocab_size = int(text.vocab_size)
         self.pad_id = int(text.pad_token_id) if text.pad_token_id is not None else 0
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.on_gpu else MixedPrecisionPolicy()
-        for layer in _decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        # one rank: the plain module with bf16 copies of its weights per call (spmd_rl/engine/mixed.py)
+        self.copies = ComputeCopies(model, torch.bfloat16 if self.on_gpu else torch.float32) if mesh.size() == 1 else None
+        if self.copies is None:
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.on_gpu else MixedPrecisionPolicy()
+            for layer in _decoder_layers(model):
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
         model.to(device)
         self.model = model
         self._head_out: torch.Tensor | None = None
@@ -151,10 +156,11 @@ class RewardModel:
             self.model.to(self.device)
         scores: list[float] = []
         size = self.micro_batch_size
-        for i in range(num_micro_batches):
-            part = [list(r) for r in rows[i * size:(i + 1) * size]]
-            real = len(part)
-            scores.extend(self._forward(part or [[self.pad_id]])[:real])
+        with self.copies.swapped() if self.copies is not None else nullcontext():
+            for i in range(num_micro_batches):
+                part = [list(r) for r in rows[i * size:(i + 1) * size]]
+                real = len(part)
+                scores.extend(self._forward(part or [[self.pad_id]])[:real])
         if self.param_offload:
             self.model.to("cpu")
         if self.on_gpu:
