@@ -47,6 +47,9 @@ class Taken:
 
 
 class AsyncSchedule:
+    """The actor pool's side of the pipeline to the rollout pool (module docstring): its
+    :attr:`in_flight` is what a checkpoint saves."""
+
     def __init__(self, link: RolloutLink, *, group: dist.ProcessGroup | None, staleness: int, stream: bool,
                  total_steps: int, batch_size: int, pad_token_id: int, draw: Callable[[], list[int]],
                  prompts: Callable[[list[int]], list[list[int]] | None], sampling: Callable[[int], dict]) -> None:

@@ -404,7 +404,7 @@ class FSDPEngine:
         parameters after forward and after backward until the pass ends, when every module
         reshards: the optimizer step then updates the fp32 shards and the next pass gathers the new
         values. Gradient reduction is unchanged (:meth:`_gradient_sync`). The NaN replay runs after
-        the pass, with FSDP's per-layer gathers."""
+        the pass, with FSDP's per-layer gathers (on one rank, with compute copies of its own)."""
         if self.copies is not None:
             with self.copies.swapped():
                 yield
@@ -508,9 +508,9 @@ class FSDPEngine:
         """``{"model", "optimizer", "scheduler"}`` for ``torch.distributed.checkpoint``.
 
         Model and optimizer entries are this rank's DTensor shards under HF parameter names (no
-        gather; plain tensors on one rank), so DCP can reload them on another world size or mesh. A trainable engine whose
-        optimizer has not stepped yet gets its state created first (a zero-lr step, weights
-        unchanged) so that a load has tensors to fill. The reference engine has only ``model``.
+        gather; plain tensors on one rank), so DCP can reload them on another world size or mesh.
+        A trainable engine whose optimizer has not stepped yet gets its state created first (a
+        zero-lr step, weights unchanged) so that a load has tensors to fill. The reference engine has only ``model``.
         Tensors stay where they are (offloaded ones on the CPU); DCP writes them from there.
         """
         # with LoRA: the adapters only (the base comes from the model folder, unchanged)
