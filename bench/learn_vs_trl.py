@@ -49,7 +49,7 @@ so the steps right after a validation find their batch ready: the generation sec
 none of it had overlapped anything (an upper bound, against ours). TRL: from ``on_train_begin``,
 stopped at ``on_step_end`` (after a device sync) for each evaluation and restarted after it; TRL's
 own per-step work (logging included) stays on the clock. Both clocks include the first steps'
-warm-up (our compiled layers, TRL's first CUDA kernels).
+warm-up (our first kernels and compiled head, TRL's first CUDA kernels).
 
 **TRL configured for speed without vLLM.** Its docs put vLLM first (not on this GPU), then
 transformers' continuous batching (``use_transformers_continuous_batching``) for N >= 32
