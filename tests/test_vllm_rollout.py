@@ -225,7 +225,8 @@ def test_vllm_on_a_rollout_pool_of_its_own(tmp_path: Path) -> None:
     """4 processes: the actor on global ranks 0-1 (megatron tp 2, whose tensors are gathered and
     renamed to the Hugging Face layout on the way), vLLM tp 2 on a rollout pool (ranks 2-3) whose
     groups span those two ranks only. After every update the weights vLLM holds on each tp rank are
-    the actor's, bit for bit, and its log-probs of the sampled tokens match the actor's. (The FSDP
+    the actor's, bit for bit, and its log-probs of the sampled tokens match the actor's. vLLM's CPU
+    shared-memory segments are named for the run and removed at the end. (The FSDP
     actor's full tensors take the same bridge: tests/test_pools.py; into vLLM: the run above.)"""
     out, taps = tmp_path / "run", tmp_path / "taps"
     taps.mkdir()
@@ -236,7 +237,10 @@ def test_vllm_on_a_rollout_pool_of_its_own(tmp_path: Path) -> None:
         "--algo.rollout-is", "token_truncated", "--trainer.total-steps", "3", "--trainer.output-dir", str(out),
         "--actor.engine", "megatron", "--actor.megatron.tp", "2",
     ]
+    shm = lambda: {n for n in os.listdir("/dev/shm") if "cpushm" in n} if os.path.isdir("/dev/shm") else set()  # noqa: E731
+    before = shm()
     _run(_torchrun(4, os.path.join(HERE, "support", "vllm_pool_run.py"), *flags), _env(TAP_DIR=str(taps)))
+    assert shm() <= before, f"vLLM's CPU shared memory left behind: {sorted(shm() - before)}"  # the next run's would clash
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in rows if "rollout/logprob_abs_diff" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]

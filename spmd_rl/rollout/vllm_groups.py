@@ -37,7 +37,9 @@ module and the test that shows it works (``tests/test_vllm_rollout.py -k pool``)
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -90,6 +92,10 @@ class VllmPoolGroups:
     pp: int
     backend: str
     """The device groups' backend, vLLM's ``current_platform.dist_backend`` (``nccl`` / ``gloo``)."""
+    ident: str = ""
+    """This run's name for vLLM's CPU shared-memory segments (``VLLM_DIST_IDENT``): vLLM's own worker
+    derives it from its init method, which left it empty here, so a crashed run's segments in
+    /dev/shm made the next run's ``init_shm_manager`` fail (errno 17). Agreed by :meth:`create`."""
     mine: dict[tuple[int, ...], list[Any]] = field(default_factory=dict)
     """Per rank list holding this rank: its groups in creation order (device, gloo, device, gloo, ...)."""
     _served: dict[tuple[int, ...], int] = field(default_factory=dict)
@@ -98,7 +104,9 @@ class VllmPoolGroups:
     def create(cls, *, pool_ranks: list[int], tp: int, pp: int, device_type: str) -> VllmPoolGroups:
         """Create the groups; collective over the WHOLE world (every rank calls it, in one order)."""
         backend = "nccl" if device_type == "cuda" else "gloo"
-        out = cls(pool_ranks=list(pool_ranks), tp=tp, pp=pp, backend=backend)
+        token = [secrets.token_hex(6) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(token, src=0)  # one name per run, on every rank
+        out = cls(pool_ranks=list(pool_ranks), tp=tp, pp=pp, backend=backend, ident=f"spmd_rl-{token[0]}")
         me = dist.get_rank()
         layout = vllm_group_ranks(out.pool_ranks, tp, pp)
         for ranks in (ranks for name in ("world", *(c for c, _ in _COORDINATORS)) for ranks in layout[name]):
@@ -150,6 +158,7 @@ class VllmPoolGroups:
             raise RuntimeError("vLLM's process groups exist already in this process: close the other engine first")
         layout = vllm_group_ranks(self.pool_ranks, self.tp, self.pp)
         moe = model is None or model.is_moe
+        os.environ["VLLM_DIST_IDENT"] = self.ident  # the CPU communicators name their shared memory from it
         real_new_group = dist.new_group
         dist.new_group = self._new_group  # vLLM's coordinators call torch.distributed.new_group for each rank list
         try:
@@ -200,6 +209,9 @@ class VllmPoolGroups:
         if ps._WORLD is not None:
             ps._WORLD.destroy()
         ps._WORLD, ps._NODE_COUNT = None, None
+        for path in glob.glob(f"/dev/shm/{glob.escape(self.ident)}-*"):  # vLLM leaves its CPU segments behind
+            with contextlib.suppress(FileNotFoundError):  # each rank removes what is left; a mapping stays valid
+                os.unlink(path)
 
 
 __all__ = ["TESTED_VLLM", "VllmPoolGroups", "check_vllm_version", "vllm_group_ranks"]
