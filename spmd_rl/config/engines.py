@@ -26,9 +26,8 @@ class FsdpConfig:
     wrap_one_rank: bool = False
     """Wrap the model in FSDP2 on a one-rank pool too. Off, one rank runs the plain module and casts
     its fp32 weights to bf16 copies once per pass over the micro-batches, FSDP2's mixed precision
-    without its per-layer hooks and DTensors (`spmd_rl/engine/mixed.py`): a SmolLM2-135M update
-    takes 0.155 s instead of 0.435, its reference pass 0.038 s instead of 0.278 (1× H200,
-    docs/PERF.md)."""
+    without its per-layer hooks and DTensors (`spmd_rl/engine/mixed.py`), bit for bit: a compiled
+    SmolLM2-135M update takes 0.097 s instead of 0.139 (1× H200, docs/PERF.md)."""
     gather_once: bool = True
     """Where a shard spans one rank (`fsdp_size` 1, or a one-rank pool with `wrap_one_rank`), gather
     (and cast to bf16) the parameters once per pass over the micro-batches instead of per micro-batch

@@ -2,9 +2,9 @@
 
 On a mesh of one rank FSDP2 shards nothing, yet it still runs its hooks around every layer, keeps
 the parameters as DTensors (so the optimizer step, the gradient norm and every parameter access go
-through DTensor dispatch) and casts the weights per layer. On one H200 the update of 256 SmolLM2-135M
-responses took 0.435 s that way and the reference pass 0.278 s; the same forward and backward on the
-plain module took 0.155 s, the forward alone 0.038 s (docs/PERF.md). So on one rank the engine keeps
+through DTensor dispatch) and casts the weights per layer. For a small model that costs more than
+the GPU's work: on one H200 the compiled update of 256 SmolLM2-135M responses takes 0.139 s under
+FSDP2 and 0.097 s on the plain module (docs/PERF.md, "One GPU without FSDP2"). So on one rank the engine keeps
 the plain Hugging Face module (``actor.fsdp.wrap_one_rank`` restores FSDP there) and does what
 FSDP2's mixed precision does, once per pass over the micro-batches:
 
