@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 log = logging.getLogger("spmd_rl")
 
@@ -33,8 +34,12 @@ log = logging.getLogger("spmd_rl")
 class CompileGroup:
     """Functions that are compiled together and fall back to eager together (module docstring)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, *, duck_shapes: bool = True) -> None:
+        """``duck_shapes=False``: sizes that happen to be equal when a function is first traced (the rows of
+        a step and the rows of a cache it writes, both full) stay separate symbols, so a later call where
+        they differ needs no second compile."""
         self.what = what
+        self.duck_shapes = duck_shapes
         self.failed: str | None = None  # the first failure's reason, once one happened
         self._generation = 0  # bumped by reset(): wrappers compile again
 
@@ -50,7 +55,10 @@ class CompileGroup:
                     state["compiled"] = torch.compile(fn, dynamic=True, fullgraph=True)
                     state["generation"] = self._generation
                 try:
-                    return state["compiled"](*args)  # type: ignore[operator]
+                    if self.duck_shapes:
+                        return state["compiled"](*args)  # type: ignore[operator]
+                    with fx_config.patch(use_duck_shape=False):  # read when dynamo traces
+                        return state["compiled"](*args)  # type: ignore[operator]
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as exc:  # inductor / triton trouble: fall back rather than lose the run

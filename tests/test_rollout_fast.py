@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (
     Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
@@ -25,6 +26,7 @@ from spmd_rl.models import load_causal_lm
 from spmd_rl.rollout import GenerationOutput, NativeRollout
 from spmd_rl.rollout import fast
 from spmd_rl.rollout.fast import FastDecoder, batch_buckets
+from spmd_rl.rollout.sampling import inverse_cdf
 from support.numerics import perturbed_copy
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -162,7 +164,8 @@ def test_compiled_decode_layers_equal_the_eager_ones(root: Path, prompts, monkey
         layers = len(e._fast.layers)
         if not compiled:
             assert runs == []
-    assert runs.count("attn_in") == runs.count("attn_out") >= layers * 2 * 15  # every decode step, every layer
+    # every decode step, every layer; the first half writes the step's K/V into the cache itself
+    assert runs.count("attn_in_store") == runs.count("attn_out") >= layers * 2 * 15 and "attn_in" not in runs
     assert outs[True][2] > 0 and outs[True][2] == outs[False][2]
     assert_same(outs[True][0], outs[False][0])
     assert_same(outs[True][1], outs[False][1])
@@ -211,6 +214,30 @@ def test_sampler_draws_from_the_filtered_distribution(root: Path) -> None:
     assert set(tokens.tolist()) == {0, 1}
     assert fast._pick(scaled, lse, None, top_k=0, top_p=1.0)[0].eq(0).all()  # greedy: argmax
     assert batch_buckets(1) == [1] and batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+@pytest.mark.parametrize("vocab", [4, 5, 1000, 4097, 151936])
+def test_two_level_inverse_cdf_picks_the_token_a_float64_scan_picks(vocab: int) -> None:
+    """``inverse_cdf`` (block sums, then one block) against one float64 running total over the vocabulary:
+    the token whose interval holds ``u`` of the mass, up to float32 rounding at an interval's edge; never
+    a filtered (zero-probability) token, also at u = 0, u just below 1 and rows with one token left."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(96, vocab, generator=g) * 3
+    logits[32:64, torch.randperm(vocab, generator=g)[: vocab // 2]] = float("-inf")  # filtered tokens
+    logits[64:68] = float("-inf")
+    logits[64:68, vocab // 2] = 0.0  # one token of mass
+    lse = torch.logsumexp(logits, -1)
+    u = torch.rand(96, generator=g)
+    u[::3], u[1::7] = 0.0, 1 - 2 ** -24
+    tok = inverse_cdf(logits, lse, u)
+    assert torch.isfinite(logits.gather(1, tok[:, None])).all()
+    cdf = F.pad(torch.exp(logits.double() - lse.double()[:, None]).cumsum(-1), (1, 0))  # mass before each token
+    target = u.double() * cdf[:, -1]
+    low, high = cdf.gather(1, tok[:, None]).squeeze(1), cdf.gather(1, tok[:, None] + 1).squeeze(1)
+    assert ((low <= target + 1e-6) & (target < high + 1e-6)).all()
+    exact = torch.searchsorted(cdf[:, 1:].contiguous(), target[:, None], right=True).squeeze(1).clamp(max=vocab - 1)
+    assert (tok != exact).sum() <= 2  # only where u falls within float32 rounding of an edge
+    assert tok[64:68].eq(vocab // 2).all()
 
 
 def test_hot_swap_reaches_the_fast_path(root: Path, prompts, tmp_path: Path) -> None:

@@ -30,7 +30,8 @@ How a call of ``b`` rows runs (any ``b``; ``max_batch``, i.e. ``rollout.batch_si
   a static buffer and records the token, its log-prob and the live mask at each live row's own
   output column (a row finishes at an EOS id or its own length limit), then runs the decode
   FORWARD of that token: embed, per layer fused RMSNorm / one q,k,v GEMM / RoPE on q and k together
-  (a table gathered by each row's position) / write each row's slot / attention / o_proj / RMSNorm /
+  (a table gathered by each row's position) and each row's K/V written at its slot (one kernel when
+  compiled, :func:`~spmd_rl.rollout.layers.storing`) / attention / o_proj / RMSNorm /
   one gate,up GEMM / down_proj, then norm, ``lm_head``, ``/ T`` and ``logsumexp`` into the logits
   buffer. Attention of the full-length layers (:attr:`FastDecoder.attention`, the first that runs
   here): ``varlen``, torch's flash varlen kernel over each row's own entries (from past its padding to
@@ -55,8 +56,9 @@ How a call of ``b`` rows runs (any ``b``; ``max_batch``, i.e. ``rollout.batch_si
   nothing; the host draws the step's uniforms and replays. :meth:`FastDecoder.capture_graphs`
   captures every bucket and span ahead of a call;
 * sampling is by inverse CDF: one uniform ``u`` per row (drawn from the caller's ``torch.Generator``,
-  outside the graph) picks the first token whose cumulative probability exceeds ``u``; top-k / top-p
-  filter ``z = logits / T`` first. Greedy is argmax. The log-prob is ``z[tok] - logsumexp(z)``, i.e.
+  outside the graph) picks the first token whose cumulative probability exceeds ``u``, in two levels
+  (:func:`~spmd_rl.rollout.sampling.inverse_cdf`: block sums, then one block, instead of a scan over the
+  vocabulary); top-k / top-p filter ``z = logits / T`` first. Greedy is argmax. The log-prob is ``z[tok] - logsumexp(z)``, i.e.
   ``log_softmax(logits / T)`` before filtering, float32;
 * every ``check_every`` steps (1 on CPU, 4 on CUDA: it costs a host sync) the live rows and the
   highest write slot are read: the queue refills, the live rows compact, or the call ends when no
@@ -75,16 +77,16 @@ from ..compiled import CompileGroup
 from ..models.families import FAMILIES, layer_windows
 from .decode_attention import attention_kind, decode_attention, varlen_attn
 from .layers import (
-    ACTIVATIONS, Fused, dense_mlp, grouped_mm_works, layer_functions, moe_mlp, norm_eps, rms_norm, rope_types,
+    ACTIVATIONS, Fused, dense_mlp, grouped_mm_works, layer_functions, moe_mlp, norm_eps, rms_norm, rope_types, storing,
     unsupported_reason,
 )
-from .sampling import filter_logits
+from .sampling import filter_logits, inverse_cdf
 from .slots import SlotCache
 
 # SDPA kernels the path may use: masked attention runs the memory-efficient kernel on CUDA (flash takes
 # no mask) and the fused CPU kernel on CPU; a known, graph-capturable choice on every torch version.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-_DECODE = CompileGroup("the rollout's compiled decode layers")  # CUDA; eager layer code if compiling fails
+_DECODE = CompileGroup("the rollout's compiled decode layers", duck_shapes=False)  # CUDA; eager layer code if compiling fails
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -157,7 +159,10 @@ class FastDecoder(SlotCache):
         self.attn_out = outs
         self.compile_layers = compile_layers
         # the decode step's halves: compiled (dynamic in the rows, so one artifact for every bucket) or not
-        self._step_in = _DECODE.wrap(self.attn_in) if compile_layers else self.attn_in
+        self._step_in = _DECODE.wrap(self.attn_in) if compile_layers else self.attn_in  # the ring layers
+        # the full-length layers' first half also writes the step's K/V into the cache (one kernel with RoPE)
+        self.attn_in_store = storing(self.attn_in, self.heads)
+        self._step_store = _DECODE.wrap(self.attn_in_store) if compile_layers else self.attn_in_store
         # torch.compile traces grouped_mm for bf16 only (torch 2.13), and the experts loop syncs with the host:
         # other MoE layers run their second half eagerly
         compile_moe = self.grouped_experts and moe.experts.gate_up_proj.dtype == torch.bfloat16
@@ -206,12 +211,14 @@ class FastDecoder(SlotCache):
         """The model's RMSNorm with float32 statistics in one fused kernel (rounded once)."""
         return rms_norm(x, norm.weight, norm_eps(norm), self.family.norm_offset)
 
-    def _in(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn: Callable) -> tuple:
+    def _in(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn: Callable, *lead) -> tuple:
+        """Layer ``i``'s first half ``fn(*lead, x, ...)``: ``attn_in``, or ``attn_in_store`` (``lead``: the
+        layer's flattened cache and the entries to write)."""
         norm, attn = self.layers[i].input_layernorm, self.layers[i].self_attn
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3, Gemma 3
         if qn is None:
-            return fn(x, norm.weight, norm_eps(norm), self.qkv[i].weight, self.qkv[i].bias, cos, sin)
-        return fn(x, norm.weight, norm_eps(norm), self.qkv[i].weight, self.qkv[i].bias, cos, sin,
+            return fn(*lead, x, norm.weight, norm_eps(norm), self.qkv[i].weight, self.qkv[i].bias, cos, sin)
+        return fn(*lead, x, norm.weight, norm_eps(norm), self.qkv[i].weight, self.qkv[i].bias, cos, sin,
                   qn.weight, kn.weight, norm_eps(qn))
 
     def _out(self, i: int, x: torch.Tensor, o: torch.Tensor, fns: dict[str, Callable]) -> torch.Tensor:
@@ -317,6 +324,7 @@ class FastDecoder(SlotCache):
             ring_at = wpos % ring
         tables = [(self._cos[t][pos][:, None], self._sin[t][pos][:, None]) for t in range(len(self.rope_keys))]
         rows_at = self._ar[:rows]
+        entry = rows_at * self.cache.shape[3] + wpos  # each row's write slot in a layer's [rows * slots] cache
         if self.attention != "sdpa":  # each row's keys: its slots pad..wpos; a finished row's: wpos alone
             first = torch.where(self._finished[:rows], wpos, self._pad[:rows])
             used = (wpos - first + 1).int()
@@ -328,27 +336,26 @@ class FastDecoder(SlotCache):
             first, end = first.int(), (wpos + 1).int()
         for i in range(len(self.layers)):
             cos, sin = tables[self.rope_of[i]]  # [rows, 1, D]
-            qk, v = self._in(i, x, cos, sin, self._step_in)
             kv = self._kv(i)
-            k_cache, v_cache = kv[0, :rows], kv[1, :rows]
             if self._kv_of[i][0]:  # the ring: [rows, kv_heads, R, head_dim]
+                qk, v = self._in(i, x, cos, sin, self._step_in)
+                q, k_cache, v_cache = qk[:, :self.heads], kv[0, :rows], kv[1, :rows]
                 k_cache[rows_at, :, ring_at] = qk[:, self.heads:]  # each row writes its own slot: [rows, Hkv, D]
                 v_cache[rows_at, :, ring_at] = v
                 k_cache, v_cache = k_cache[:, :, :seen], v_cache[:, :, :seen]
-            else:  # [rows, slots, kv_heads, head_dim]
-                k_cache[rows_at, wpos] = qk[:, self.heads:]
-                v_cache[rows_at, wpos] = v
+            else:  # [rows, slots, kv_heads, head_dim]; each row's K/V written at its own slot
+                q = self._in(i, x, cos, sin, self._step_store, kv.flatten(1, 2), entry)
+                k_cache, v_cache = kv[0, :rows], kv[1, :rows]
                 if self.attention != "sdpa":
                     if self.attention == "varlen":
-                        o = varlen_attn(qk[:, :self.heads].contiguous(), k_cache.flatten(0, 1), v_cache.flatten(0, 1),
+                        o = varlen_attn(q.contiguous(), k_cache.flatten(0, 1), v_cache.flatten(0, 1),
                                         queries, starts, 1, span, scale=self.scaling, enable_gqa=True, seqused_k=used)
                     else:
-                        o = decode_attention(qk[:, :self.heads], k_cache, v_cache, first, end, scale=self.scaling,
-                                             span=span)
+                        o = decode_attention(q, k_cache, v_cache, first, end, scale=self.scaling, span=span)
                     x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
                     continue
                 k_cache, v_cache = k_cache[:, :span].transpose(1, 2), v_cache[:, :span].transpose(1, 2)
-            q = qk[:, :self.heads].unflatten(1, (self.kv_heads, self.group))  # query heads of one KV head together
+            q = q.unflatten(1, (self.kv_heads, self.group))  # query heads of one KV head together
             o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias[self.windows[i]], scale=self.scaling)
             x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
         self._head(x, rows)
@@ -368,11 +375,7 @@ class FastDecoder(SlotCache):
         else:
             filtered = top_k > 0 or top_p < 1.0
             z = filter_logits(scaled, top_k=top_k, top_p=top_p) if filtered else scaled
-            cdf = torch.exp(z - (torch.logsumexp(z, -1) if filtered else lse)[:, None]).cumsum_(-1)
-            total = cdf[:, -1:].contiguous()
-            tokens = torch.searchsorted(cdf, u[:, None] * total, right=True)
-            # u * total can round up to total: the last token with mass is the first to reach the total
-            tokens = torch.minimum(tokens, torch.searchsorted(cdf, total)).squeeze(-1)
+            tokens = inverse_cdf(z, torch.logsumexp(z, -1) if filtered else lse, u)
         return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse
 
     def _record(self, rows: int, *, greedy: bool, top_k: int, top_p: float) -> None:

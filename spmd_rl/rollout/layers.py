@@ -7,6 +7,7 @@
   views of the fused tensor (hot-swap by HF name keeps working);
 * :func:`layer_functions`: a decoder layer's two halves around attention as pure functions of
   tensors, which the decoder runs eagerly (prefill, CPU) or compiled (the CUDA decode step);
+  :func:`storing`: the first half writing its K/V into the cache as well (the decode step);
 * :func:`moe_mlp`: routed experts (Qwen3-MoE) as grouped GEMMs over the tokens sorted by expert
   (``F.grouped_mm``), or, where that kernel cannot run, a loop over the experts that got tokens.
 """
@@ -173,6 +174,20 @@ def layer_functions(*, qk_heads: int, head_dim: int, q_heads: int, mlp: Callable
     return attn_in, attn_out
 
 
+def storing(attn_in: Callable, q_heads: int) -> Callable:
+    """``attn_in_store(cache, at, *args) -> q``: :func:`layer_functions`' ``attn_in(*args)`` that also writes
+    each row's rotated K and its V into ``cache [2, entries, Hkv, D]`` (a layer's cache with rows and slots
+    flattened) at entry ``at [rows]`` and returns the query heads. Compiled, the write is part of the RoPE
+    kernel (inductor updates the cache in place) instead of two ``index_put`` kernels and their copies per
+    layer and step."""
+    def attn_in_store(cache, at, *args):
+        qk, v = attn_in(*args)
+        cache[:, at] = torch.stack([qk[..., q_heads:, :], v])
+        return qk[..., :q_heads, :]
+
+    return attn_in_store
+
+
 def dense_mlp(*, intermediate: int, act: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     """``mlp(h, gate_up_w, gate_up_b, down_w, down_b)``: the fused gate/up GEMM, ``act(gate) * up``, down_proj."""
     def mlp(h, gate_up_w, gate_up_b, down_w, down_b):
@@ -273,4 +288,5 @@ class Fused:
 
 
 __all__ = ["ACTIVATIONS", "STATIC_ROPE_TYPES", "SUPPORTED_MODEL_TYPES", "Fused", "dense_mlp", "grouped_mm_works",
-           "layer_functions", "moe_mlp", "norm_eps", "rms_norm", "rope", "rope_types", "unsupported_reason"]
+           "layer_functions", "moe_mlp", "norm_eps", "rms_norm", "rope", "rope_types", "storing",
+           "unsupported_reason"]

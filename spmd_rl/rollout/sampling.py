@@ -1,4 +1,5 @@
-"""On-device sampling of the rollout: top-k / top-p filtering (both loops), the exponential race (HF loop).
+"""On-device sampling of the rollout: top-k / top-p filtering (both loops), the exponential race (HF loop),
+the two-level inverse CDF (fast decoder: one uniform per row, no RNG inside its CUDA graphs).
 
 Log-probs are ``log_softmax(logits / T)`` at the chosen token (``T = 1`` when greedy), taken BEFORE
 top-k / top-p filtering, in float32 (see :mod:`spmd_rl.rollout.base`).
@@ -6,7 +7,10 @@ top-k / top-p filtering, in float32 (see :mod:`spmd_rl.rollout.base`).
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 
 def filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
@@ -47,4 +51,34 @@ def sample_next(
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-__all__ = ["filter_logits", "sample_next"]
+def inverse_cdf(logits: torch.Tensor, lse: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits [b, V]`` (float32, ``-inf`` = filtered out) with ``lse [b]`` their logsumexp and
+    ``u [b]`` in [0, 1): the first token whose running probability exceeds ``u`` of the row's total, i.e.
+    a draw from ``softmax(logits)``. Never a token of zero probability.
+
+    In two levels instead of one scan over the vocabulary: the probabilities in blocks of about sqrt(V)
+    tokens (a power of two; the last block padded with zeros), a running total over the block sums
+    picks the block, and a running total inside that block picks the token. A scan over 152k logits is
+    one long serial kernel per row; here the probabilities are read once more, in parallel.
+    """
+    rows, vocab = logits.shape
+    block = 1 << math.ceil(math.log2(vocab) / 2)
+    blocks = -(-vocab // block)
+    probs = torch.empty(rows, blocks * block, dtype=torch.float32, device=logits.device)
+    probs[:, vocab:] = float("-inf")
+    torch.sub(logits, lse[:, None], out=probs[:, :vocab])
+    probs = probs.exp_().view(rows, blocks, block)
+    running = F.pad(probs.sum(-1), (1, 0)).cumsum_(-1)  # [b, blocks + 1]: the mass of the blocks before each
+    total = running[:, -1:].contiguous()
+    target = u[:, None] * total
+    # the block whose running total first exceeds the target; u * total can round up to the total: then the
+    # last block with mass, the first to reach the total
+    at = torch.minimum(torch.searchsorted(running, target, right=True), torch.searchsorted(running, total)) - 1
+    inner = probs.gather(1, at[:, :, None].expand(rows, 1, block)).squeeze(1).cumsum_(-1).add_(running.gather(1, at))
+    # inside it the same, against its own running total (summed in another order than the block's)
+    tok = torch.minimum(torch.searchsorted(inner, target, right=True),
+                        torch.searchsorted(inner, inner[:, -1:].contiguous()))
+    return (at * block + tok).squeeze(-1)
+
+
+__all__ = ["filter_logits", "inverse_cdf", "sample_next"]
