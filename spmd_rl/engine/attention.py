@@ -7,9 +7,10 @@ Hugging Face's attention transposes q, k, v to ``[b, heads, s, d]`` right after 
 applies RoPE there; the engine's attention (:func:`~spmd_rl.engine.ulysses.varlen_sdpa`) then wants
 ``[tokens, heads, d]`` for torch's flash varlen kernel, so every layer paid for a transposed RoPE
 (strided, ~0.4 TB/s on the H200 even when compiled) and a copy back, forward and backward.
-:func:`natural_layout_forward` applies the same RoPE (``x * cos + rotate_half(x) * sin``, the same
-elementwise operations, so the same numbers) on the projections' own ``[b, s, heads, d]`` layout and
-hands the attention function transposed *views*; its flash path then flattens them without a copy.
+:func:`natural_layout_forward` applies the same RoPE (``x * cos + rotate_half(x) * sin``, in three kernels
+each way instead of HF's five and nine: :class:`Rope`) on the projections' own ``[b, s, heads, d]``
+layout and hands the attention function transposed *views*; its flash path then flattens them without
+a copy.
 The module, its parameters and their names are untouched (checkpoints, hot-swap, export, FSDP).
 Other model types keep HF's forward (:func:`install` returns False) and still run the engine's
 attention function. Sliding-window layers (Gemma 3's local layers, Mistral, Qwen2 with
@@ -45,9 +46,32 @@ def install(model: torch.nn.Module) -> bool:
     return True
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class Rope(torch.autograd.Function):
+    """HF's RoPE ``x * cos + rotate_half(x) * sin`` (``rotate_half(x) = [-x2, x1]``) in three kernels each way:
+    ``y = x * cos``, then ``y1 -= x2 * sin1`` and ``y2 += x1 * sin2`` in place on its halves (HF: negation,
+    concatenation, two products and a sum, and in the backward slices scattered into zeros). The gradient
+    is the transposed rotation: ``g * cos``, plus ``g2 * sin2`` on the first half and minus ``g1 * sin1`` on
+    the second. Each ``addcmul_`` rounds once where HF rounds the product and the sum: in bf16 a result can
+    differ from HF's by a rounding step; in float32 it is HF's formula. ``cos`` / ``sin`` (from positions,
+    no parameters) get no gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        half = x.shape[-1] // 2
+        y = x * cos
+        y[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        y[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        dx = grad * cos
+        dx[..., :half].addcmul_(grad[..., half:], sin[..., half:])
+        dx[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1)
+        return dx, None, None
 
 
 def natural_layout_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
@@ -61,8 +85,7 @@ def natural_layout_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     if hasattr(self, "q_norm"):  # Qwen3, Gemma 3: an RMSNorm over each head of q and of k, before RoPE
         q, k = self.q_norm(q), self.k_norm(k)
     cos, sin = (t.unsqueeze(2) for t in position_embeddings)  # [b, s, 1, d]
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q, k = Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # views: [b, heads, s, d]
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
@@ -72,4 +95,4 @@ def natural_layout_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     return self.o_proj(out.reshape(b, s, -1)), None
 
 
-__all__ = ["install", "natural_layout_forward"]
+__all__ = ["Rope", "install", "natural_layout_forward"]

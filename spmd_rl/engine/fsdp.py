@@ -74,7 +74,7 @@ from torch.distributed.tensor import DTensor
 
 from spmd_rl.config import ActorConfig, FsdpConfig, LoraConfig
 from spmd_rl.data.batch import RolloutBatch
-from spmd_rl.engine import attention, packing, ulysses
+from spmd_rl.engine import attention, norms, packing, ulysses
 from spmd_rl.engine import lora as lora_utils
 from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available, keep_logits_bytes
@@ -170,6 +170,7 @@ class FSDPEngine:
         model.config.use_cache = False
         # RoPE on the projections' own layout, no transposed copies (engine/attention.py); others keep HF's
         self.natural_attention = attention.install(model)
+        norms.install_norms(model)  # one fused kernel per RMSNorm (engine/norms.py); Gemma keeps HF's
         ulysses.annotate_windows(model)  # before compile: no guard on layer_idx (one graph for all layers)
         # MoE: the router's load-balancing loss (HF's aux_loss) in training forwards
         self.router_aux = getattr(model.config, "output_router_logits", None) is not None

@@ -50,14 +50,15 @@ class ComputeCopies:
         if self._pairs:
             raise RuntimeError("ComputeCopies.swapped() does not nest")
         grad = torch.is_grad_enabled()
-        copies: dict[int, torch.nn.Parameter] = {}
+        weights = list({id(w): w for _, _, w in slots}.values())  # a tied weight once
+        # one buffer and one multi-tensor cast: a small model's pass is bound by launches, not bytes
+        views = _flat_like(weights, self.dtype)
+        with torch.no_grad():
+            _foreach_copy(views, [w.detach() for w in weights])
+        copies = {id(w): torch.nn.Parameter(v, requires_grad=grad and w.requires_grad) for w, v in zip(weights, views)}
+        self._pairs = [(w, copies[id(w)]) for w in weights]
         for module, name, weight in slots:
-            copy = copies.get(id(weight))
-            if copy is None:
-                copy = torch.nn.Parameter(weight.detach().to(self.dtype), requires_grad=grad and weight.requires_grad)
-                copies[id(weight)] = copy
-                self._pairs.append((weight, copy))
-            module._parameters[name] = copy
+            module._parameters[name] = copies[id(weight)]
         try:
             yield
         finally:
@@ -67,15 +68,38 @@ class ComputeCopies:
 
     @torch.no_grad()
     def grads_to_weights(self) -> None:
-        """Add the copies' gradients (cast) into their weights' ``.grad``; the copies' go."""
-        for weight, copy in self._pairs:
-            if copy.grad is None:
-                continue
-            if weight.grad is None:
-                weight.grad = copy.grad.to(weight.dtype)
-            else:
-                weight.grad.add_(copy.grad)
+        """Add the copies' gradients (cast) into their weights' ``.grad``; the copies' go. Weights without a
+        gradient yet get one as views of one buffer, written by one multi-tensor cast."""
+        pairs = [(w, c) for w, c in self._pairs if c.grad is not None]
+        fresh = [(w, c) for w, c in pairs if w.grad is None]
+        added = [(w, c) for w, c in pairs if w.grad is not None]
+        for (w, _), v in zip(fresh, _flat_like([w for w, _ in fresh])):
+            w.grad = v
+        _foreach_copy([w.grad for w, _ in fresh], [c.grad for _, c in fresh])
+        for weight, copy in added:
+            weight.grad.add_(copy.grad)
+        for _, copy in pairs:
             copy.grad = None
+
+
+def _flat_like(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Uninitialised tensors shaped like ``tensors`` (in ``dtype``, default each one's), views of one buffer
+    per device and dtype."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, dtype or t.dtype), []).append(i)
+    for (device, dt), idx in groups.items():
+        flat = torch.empty(sum(tensors[i].numel() for i in idx), dtype=dt, device=device)
+        for i, v in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+            out[i] = v.view(tensors[i].shape)
+    return out  # type: ignore[return-value]
+
+
+def _foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` (casting) for all ``i``, as multi-tensor kernels where torch has them."""
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 __all__ = ["ComputeCopies"]

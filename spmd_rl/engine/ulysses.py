@@ -32,6 +32,8 @@ backward would count it k times. Token counts for the loss are therefore taken o
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +155,15 @@ def flash_varlen_available() -> bool:
     return True
 
 
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """The keyword names of this torch's ``varlen_attn`` (read once: ``inspect.signature`` costs ~30 us, and
+    this runs in every layer of every forward)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
                   scale: float | None, window: int | None = None) -> torch.Tensor:
     """Causal varlen attention, ``[T, H, D]`` x ``[T, Hkv, D]`` -> ``[T, H, D]`` (torch's flash kernel);
@@ -161,11 +172,9 @@ def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     The keyword for causality changed between torch releases (``is_causal`` in 2.10,
     ``window_size=(-1, 0)`` later). Grouped-query attention is native in the kernel: through
     ``enable_gqa`` where it exists, else through :class:`_GroupedFlashVarlen`."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    params = _varlen_params()
     if window is not None and "window_size" not in params:
         raise ValueError(f"a sliding-window layer (window {window}) needs torch's varlen_attn with window_size "
                          f"(torch >= 2.11); this torch {torch.__version__} has none: upgrade torch")
