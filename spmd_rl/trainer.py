@@ -18,7 +18,9 @@ else is symmetric. Per step:
 4. relayout     rows move from the rollout's layout to the actor's data-parallel layout; with
                 ``algo.filter_groups`` (DAPO) stages 2-4 repeat with new prompts until the step holds
                 ``data.train_batch_size`` groups whose scores differ (:mod:`spmd_rl.algo.filtering`);
-5. old_logprob  actor log-probs before the update (several optimizer steps per batch, or IS);
+5. old_logprob  actor log-probs before the update, when the policy moves inside the step (several
+                optimizer steps per batch) or PPO's KL reward needs them; otherwise the update's own
+                log-probs, detached, are the old ones (also for the IS correction and stale samples);
 6. ref          frozen reference log-probs (when the KL loss or the KL reward is on);
 7. teacher      the teacher's log-probs, colocated or on the teacher pool (``algo.distill_coef``);
 8. values       the critic's values of every response token (``algo.adv_estimator=gae``, spmd_rl.critic);
@@ -132,11 +134,21 @@ class Trainer:
 
     @property
     def need_old_logprobs(self) -> bool:
-        """Old log-probs are needed for several optimizer steps per batch, by the IS correction (the
-        trainer's own log-probs of the sampling policy), off-policy (the proximal policy of decoupled
-        PPO), and by PPO's KL reward (the actor's before the update)."""
-        algo = self.cfg.algo
-        return self.updates_per_step > 1 or algo.rollout_is != "none" or self.staleness > 0 or algo.kl_in_reward
+        """A forward for the old log-probs runs before the update when the weights move between the
+        step's optimizer steps (several per batch) and for PPO's KL reward (needed before the
+        advantages). With one optimizer step per batch the proximal policy of decoupled PPO is the
+        current one, so the update's own log-probs, detached, serve as the old ones: the ratio is 1,
+        and the IS correction (``algo.rollout_is``) and stale samples compare them with the rollout's.
+        The same numbers as a separate forward, one forward less per step."""
+        return self.updates_per_step > 1 or self.cfg.algo.kl_in_reward
+
+    @property
+    def logs_rollout_gap(self) -> bool:
+        """Whether the update compares its own log-probs with the rollout's when no old-log-prob forward
+        ran (``rollout/logprob_abs_diff``; ``async/logprob_abs_diff_fresh`` for the tokens the current
+        weights sampled): where the IS correction or stale samples use the rollout's. The forward, when
+        it runs, always logs them."""
+        return self.cfg.algo.rollout_is != "none" or self.staleness > 0
 
     def _build_engines(self, groups: RunGroups) -> None:
         """The actor, the frozen reference (when a KL needs it; with LoRA the actor's own base), PPO's
@@ -421,7 +433,7 @@ class Trainer:
         # On-policy with a single optimizer step per batch, the update's own log-probs (detached)
         # are the old ones: ratio == 1 exactly, and a whole forward pass is saved (unless the IS
         # correction needs them).
-        if not self.need_old_logprobs:
+        if not self.need_old_logprobs:  # the update's own, detached (see need_old_logprobs)
             return
         logprobs, _ = self.actor.compute_logprobs(batch, temperature=self.temperature,
                                                   micro_batch_size=self.cfg.actor.micro_batch_size)
@@ -487,6 +499,13 @@ class Trainer:
                         global_tokens=global_tokens, global_seqs=global_seqs, rollout_logprobs=sampled,
                         teacher_logprobs=teacher)
                     tokens = mask.sum()
+                    if "old_logprobs" not in micro and self.logs_rollout_gap:  # old_logprobs() did not run
+                        gap = (old - micro["rollout_logprobs"].to(device)).abs() * mask
+                        pending.append(("rollout/logprob_abs_diff", gap.sum() / tokens.clamp(min=1), tokens))
+                        if "staleness" in micro:  # tokens the current weights sampled
+                            fresh = (micro["staleness"].to(device) == 0).float() * mask
+                            pending.append(("async/logprob_abs_diff_fresh", (gap * fresh).sum() / fresh.sum().clamp(min=1),
+                                            fresh.sum()))
                     for key, value in metrics.items():
                         global_part = key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/distill_kl")
                         pending.append((key, value.detach(), None if global_part else tokens))
@@ -501,7 +520,7 @@ class Trainer:
                     for (key, _, tokens), (value, weight) in zip(pending, pairs):
                         if tokens is None:  # global parts
                             acc.add_sum(key, value * self.place.sum_weight / self.updates_per_step)
-                        else:
+                        elif weight > 0:  # (a micro-batch without such tokens adds nothing)
                             acc.add(key, value, weight)
                 # grad_norm and lr are identical on every rank; weight 1 per rank keeps the mean exact.
                 skipped = stats.get("skipped", 0.0)  # a non-finite update the engine was allowed to skip

@@ -183,7 +183,9 @@ def test_critic_on_two_ranks_equals_one_process(parity) -> None:
     weights, name = max_rel(two["weights"], one["weights"])
     print(f"\n2 ranks vs 1: weights {weights:.2e} ({name}); " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
     assert weights < TOL, (weights, name)
-    assert not {k: v for k, v in diffs.items() if v > TOL}, diffs
+    # explained variance is 1 - var(returns - values) / var(returns): the cancellation scales float32 rounding
+    tols = {"critic/vf_explained_var": 10 * TOL}
+    assert not {k: v for k, v in diffs.items() if v > tols.get(k, TOL)}, diffs
     assert m1["critic/vf_clipfrac"] > 0.05, "value clipping should act in the parity run"
     assert m1["critic/grad_norm"] > CRITIC["grad_clip"], "gradient clipping should act in the parity run"
     assert not any(n.startswith("lm_head") for n in one["weights"]) and "score.weight" in one["weights"]
