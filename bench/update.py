@@ -291,6 +291,19 @@ def _is_gpus_arg(argv: list[str], i: int) -> bool:
     return j >= 0 and argv[j] == "--gpus" and argv[i].isdigit()
 
 
+def use_hf_norm_rope() -> None:
+    """``--hf-norm-rope``: engines built after this keep Hugging Face's RMSNorm forward and rotate with
+    HF's ``x * cos + rotate_half(x) * sin`` (five kernels forward, nine backward, per tensor)."""
+    from spmd_rl.engine import attention, norms
+
+    def hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    norms.install_norms = lambda model: 0
+    attention.Rope.apply = staticmethod(hf_rope)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -317,6 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep-logits-gib", type=float, default=None,
                    help="FsdpConfig.keep_logits_gib (default: automatic, 1/16 of the GPU; 0: recompute the head's logits)")
     p.add_argument("--eager-head", action="store_true", help="the log-prob head's eager chunk code, not the compiled one")
+    p.add_argument("--hf-norm-rope", action="store_true",
+                   help="Hugging Face's RMSNorm and RoPE forwards (the engine's until 2026-12-02), not the fused "
+                   "ones (engine/norms.py, engine/attention.py's Rope)")
     p.add_argument("--reduce-every-micro-batch", action="store_true",
                    help="one GPU: reduce gradients after every micro-batch (the engine does it after the last only)")
     p.add_argument("--profile", action="store_true", help="GPU: one more step per layout under torch.profiler, "
@@ -330,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.rows % args.n:
         raise SystemExit(f"--rows ({args.rows}) must be a multiple of --n ({args.n})")
+    if args.hf_norm_rope:
+        use_hf_norm_rope()
     if args.gpus and "RANK" not in os.environ:
         run_gpu_counts(args, argv)
     else:
