@@ -430,10 +430,9 @@ class Trainer:
                 acc.add("reward/rule_score/mean", total - self.cfg.reward.model.weight * model)
 
     def old_logprobs(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
-        # On-policy with a single optimizer step per batch, the update's own log-probs (detached)
-        # are the old ones: ratio == 1 exactly, and a whole forward pass is saved (unless the IS
-        # correction needs them).
-        if not self.need_old_logprobs:  # the update's own, detached (see need_old_logprobs)
+        # With a single optimizer step per batch the update's own log-probs (detached) are the old ones:
+        # ratio == 1 exactly, and a whole forward pass is saved (see need_old_logprobs).
+        if not self.need_old_logprobs:
             return
         logprobs, _ = self.actor.compute_logprobs(batch, temperature=self.temperature,
                                                   micro_batch_size=self.cfg.actor.micro_batch_size)
