@@ -210,7 +210,8 @@ class AlgoConfig:
     rollout_is: Literal["none", "token_truncated"] = "none"
     """Importance-sampling correction of the rollout/trainer log-prob mismatch (e.g. vLLM vs FSDP):
     `token_truncated` multiplies each token's policy loss by min(exp(old - rollout), algo.rollout_is_cap),
-    old = the trainer's own log-probs of the sampling policy (their forward then runs every step)."""
+    old = the trainer's own log-probs under the weights before the update (with one optimizer step per batch,
+    the update's own, detached; otherwise a forward before the update)."""
     rollout_is_cap: float = 2.0
     """Upper bound of the truncated importance weight (`algo.rollout_is=token_truncated`)."""
     gamma: float = 1.0
