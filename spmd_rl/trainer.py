@@ -503,8 +503,8 @@ class Trainer:
                         pending.append(("rollout/logprob_abs_diff", gap.sum() / tokens.clamp(min=1), tokens))
                         if "staleness" in micro:  # tokens the current weights sampled
                             fresh = (micro["staleness"].to(device) == 0).float() * mask
-                            pending.append(("async/logprob_abs_diff_fresh", (gap * fresh).sum() / fresh.sum().clamp(min=1),
-                                            fresh.sum()))
+                            fresh_gap = (gap * fresh).sum() / fresh.sum().clamp(min=1)
+                            pending.append(("async/logprob_abs_diff_fresh", fresh_gap, fresh.sum()))
                     for key, value in metrics.items():
                         global_part = key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/distill_kl")
                         pending.append((key, value.detach(), None if global_part else tokens))

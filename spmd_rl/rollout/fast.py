@@ -58,8 +58,8 @@ How a call of ``b`` rows runs (any ``b``; ``max_batch``, i.e. ``rollout.batch_si
 * sampling is by inverse CDF: one uniform ``u`` per row (drawn from the caller's ``torch.Generator``,
   outside the graph) picks the first token whose cumulative probability exceeds ``u``, in two levels
   (:func:`~spmd_rl.rollout.sampling.inverse_cdf`: block sums, then one block, instead of a scan over the
-  vocabulary); top-k / top-p filter ``z = logits / T`` first. Greedy is argmax. The log-prob is ``z[tok] - logsumexp(z)``, i.e.
-  ``log_softmax(logits / T)`` before filtering, float32;
+  vocabulary); top-k / top-p filter ``z = logits / T`` first. Greedy is argmax. The log-prob is
+  ``z[tok] - logsumexp(z)``, i.e. ``log_softmax(logits / T)`` before filtering, float32;
 * every ``check_every`` steps (1 on CPU, 4 on CUDA: it costs a host sync) the live rows and the
   highest write slot are read: the queue refills, the live rows compact, or the call ends when no
   row is live and none queues.
@@ -86,7 +86,8 @@ from .slots import SlotCache
 # SDPA kernels the path may use: masked attention runs the memory-efficient kernel on CUDA (flash takes
 # no mask) and the fused CPU kernel on CPU; a known, graph-capturable choice on every torch version.
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-_DECODE = CompileGroup("the rollout's compiled decode layers", duck_shapes=False)  # CUDA; eager layer code if compiling fails
+# CUDA; eager layer code if compiling fails
+_DECODE = CompileGroup("the rollout's compiled decode layers", duck_shapes=False)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
