@@ -329,3 +329,25 @@ def test_bf16_cuda_graphs_agree_with_the_hf_loop(root: Path, prompts, shape: str
     diff = (out.logprobs - ref.logprobs).abs()[(out.response_ids == ref.response_ids) & ref.response_mask.bool()]
     print(f"\nbf16 fast vs HF loop: {agree:.1%} of tokens equal, log-prob mean abs diff {diff.mean():.2e}")
     assert (out.response_ids[:, 0] == ref.response_ids[:, 0]).float().mean() >= 0.75 and diff.mean() < 5e-2
+
+
+@pytest.mark.parametrize("duck_shapes,graphs", [(True, 2), (False, 1)])
+def test_decode_group_compiles_a_cache_writer_once_for_every_bucket(duck_shapes: bool, graphs: int) -> None:
+    """The decode layers' group compiles without duck shapes: a first call where the step's rows equal the
+    cache's rows (the full bucket) must not tie the two sizes, or every smaller bucket compiles again."""
+    from torch._dynamo.utils import counters
+
+    from spmd_rl.compiled import CompileGroup
+
+    def write(cache, at, x):
+        cache[at] = x * 2
+        return x + 1
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = CompileGroup("a test group", duck_shapes=duck_shapes).wrap(write)
+    cache = torch.zeros(4, 3)
+    for rows in (4, 3, 2):
+        fn(cache, torch.arange(rows), torch.ones(rows, 3))
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert cache[:2].eq(2).all()
