@@ -1,8 +1,9 @@
 """Rollout throughput: the built-in fast decoder vs plain ``transformers.generate``, one process, one table.
 
-    python bench/rollout.py                              # GPU: the four shapes below, batch 64 and 256 (~8 min, H200)
+    python bench/rollout.py                              # GPU: the four shapes below, batch 64 and 256 (~20 min, H200)
     python bench/rollout.py --shapes qwen3-0.6b --batches 256 --mixes fixed      # a subset
     python bench/rollout.py --shapes qwen3-0.6b --batches 256 --rows-per-slot 2 8 --attention auto sdpa
+    python bench/rollout.py --shapes qwen2.5-7b --batches 64 --mixes fixed longtail stream --rows-per-slot 8
     python bench/rollout.py --shapes tiny tiny-moe --batches 4 8 --prompt-len 16 --new-tokens 16 \\
         --longtail-min 4 --longtail-max 32 --longtail-batches 4 --rows-per-slot 2 8    # CPU smoke run
 
@@ -12,7 +13,7 @@ parameters, 128 experts, top-8, so it fits one GPU), the older ``qwen2-0.5b``, a
 ``tiny-moe`` for CPU runs. One model object serves both sides: the fast decoder's fused GEMMs are
 views of the HF parameters, so ``generate`` runs on the same weights.
 
-Two length mixes, EOS ignored (an EOS id outside the vocabulary), sampling at T=1, top-k 0, top-p 1:
+Three mixes, EOS ignored (an EOS id outside the vocabulary), sampling at T=1, top-k 0, top-p 1:
 
 * ``fixed``: ``batch`` rows of ``--prompt-len`` random tokens, each exactly ``--new-tokens`` new
   tokens. tok/s = rows x new tokens / wall time of one call after a warm-up call (which compiles the
@@ -28,6 +29,13 @@ Two length mixes, EOS ignored (an EOS id outside the vocabulary), sampling at T=
   (64 for the 7B and MoE shapes, 256 for the others); ``--longtail-batches`` picks others. When the
   cache of ``batch`` slots x (prompt + longest length) does not fit, the slots halve until it does
   (the note says so).
+* ``stream``: the same lengths fed without end to :func:`~spmd_rl.rollout.stream.stream_decode` on
+  ``batch`` slots, as the rollout pool runs with ``rollout.stream`` (asynchronous GRPO: the next steps'
+  prompts take the slots of finished rows, so no call drains its tail). tok/s over ``--stream-steps``
+  decode steps after ``--stream-warmup`` steps (by then the rows in flight have the stream's steady mix
+  of lengths rather than all starting together); the tokens of a window are those of the rows finished
+  in it plus the progress of the rows in the slots, read at its two ends. Its ceiling is the long-tail
+  formula for the mix's lengths (100,000 draws).
 
 The bandwidth ceiling (:func:`ceiling_tok_s`, one model for both mixes) is tokens over the time an ideal
 decode needs to read its bytes at ``--bandwidth``: ``tokens / slots`` steps (every slot busy every
@@ -66,6 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spmd_rl.rollout import decode_attention  # noqa: E402
 from spmd_rl.rollout.fast import FastDecoder, batch_buckets  # noqa: E402
+from spmd_rl.rollout.stream import stream_decode  # noqa: E402
 
 QWEN3 = (Qwen3Config, Qwen3ForCausalLM)
 COMMON = dict(max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False)
@@ -143,6 +152,15 @@ def mean_context(prompt_len: int, lengths: list[int]) -> float:
     """Mean context a generated token attends over: row of ``L`` new tokens, its ``t``-th token reads the
     prompt and the ``t`` tokens before it, so the rows add ``L P + L (L - 1) / 2`` over ``sum(L)`` tokens."""
     return prompt_len + sum(n * (n - 1) / 2 for n in lengths) / sum(lengths)
+
+
+def draw_limits(args: argparse.Namespace, count: int, generator: torch.Generator | None = None) -> list[int]:
+    """``count`` long-tail lengths, log-uniform in ``[--longtail-min, --longtail-max]`` (``generator``:
+    default a fresh one seeded 0, the long-tail mix's draws)."""
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
+    lo, hi = math.log(args.longtail_min), math.log(args.longtail_max)
+    u = torch.rand(count, generator=generator)
+    return (u * (hi - lo) + lo).exp().round().clamp(args.longtail_min, args.longtail_max).long().tolist()
 
 
 def ceiling_tok_s(model: torch.nn.Module, *, slots: int, prompt_len: int, lengths: list[int],
@@ -291,9 +309,7 @@ class Bench:
         args, fd, device = self.args, self.fd, self.device
         rows = per_slot * batch
         plist = self.prompts(rows, seed=10_000 + batch).tolist()
-        lo, hi = math.log(args.longtail_min), math.log(args.longtail_max)
-        u = torch.rand(rows, generator=torch.Generator().manual_seed(0))
-        limits = (u * (hi - lo) + lo).exp().round().clamp(args.longtail_min, args.longtail_max).long().tolist()
+        limits = draw_limits(args, rows)
         slots, note = batch, ""
         if self.sized_for != (self.attention, batch):  # the last long-tail call's cache and graphs serve again
             fd.release()  # the cache is sized for this mix alone (not for a larger fixed batch before it)
@@ -328,6 +344,75 @@ class Bench:
                     fraction_of_ceiling=made / elapsed / ceiling, mean_context=mean_context(args.prompt_len, limits),
                     of_fixed=made / elapsed / fixed if fixed else None, occupancy=made / (steps * slots), note=note)
 
+    def stream(self, batch: int) -> dict:
+        """The long-tail lengths fed as a stream (``rollout.stream``, :func:`stream_decode`): a feed that
+        never runs dry, on ``batch`` slots; tok/s over ``--stream-steps`` decode steps once
+        ``--stream-warmup`` steps have passed, when the rows in flight have the stream's steady mix of
+        lengths instead of all starting together."""
+        args, fd, device = self.args, self.fd, self.device
+        draw = torch.Generator().manual_seed(0)  # the long-tail mix's lengths, continued as long as the feed runs
+        made = {"fed": 0, "finished": 0}
+
+        def feed(k: int) -> list[tuple[int, list[int], int]]:
+            limits = draw_limits(args, k, draw)
+            ids = self.prompts(k, seed=20_000 + made["fed"]).tolist()
+            rows = [(made["fed"] + i, ids[i], limits[i]) for i in range(k)]
+            made["fed"] += k
+            return rows
+
+        def finish(key, tokens, logprobs, truncated) -> None:
+            made["finished"] += len(tokens)
+
+        def run(stop_at: int, marks: dict[int, tuple[float, int]] | None = None):
+            """A stream interrupted after ``stop_at`` steps; ``marks`` gets (time, tokens made) at the steps it names."""
+            gen = torch.Generator(device=device).manual_seed(0)
+
+            def interrupt(steps: int) -> bool:
+                if marks is not None and steps in marks:
+                    live = fd._row_of != fd._out_tok.shape[0] - 1  # slots holding a row (one host sync)
+                    in_slots = int(fd._ncol[live].sum())
+                    marks[steps] = (time.perf_counter(), made["finished"] + in_slots)
+                return steps >= stop_at
+
+            return stream_decode(fd, feed=feed, finish=finish, max_new_tokens=args.longtail_max,
+                                 slots=args.prompt_len + args.longtail_max, generator=gen, eos=self.eos,
+                                 interrupt=interrupt, **self.sample)
+
+        fd.buckets = batch_buckets(batch)
+        if self.sized_for != (self.attention, batch):
+            fd.release()
+        slots, note = batch, ""
+        while True:  # size the cache (a one-step stream), then capture every bucket and span
+            try:
+                run(1)
+                break
+            except MemoryError as exc:
+                if slots == 1:
+                    raise
+                note = f"{batch} slots do not fit ({str(exc).split(', but ')[0].split('needs ')[-1]}); "
+                slots //= 2
+                fd.buckets = batch_buckets(slots)
+        if slots < batch:
+            note += f"ran {slots} slots"
+        capture = timed(lambda: fd.capture_graphs(**self.sample), device)
+        self.sized_for = (self.attention, batch)
+        warm, steps = args.stream_warmup, args.stream_steps
+        marks = {warm: None, warm + steps: None}
+        run(warm + steps, marks)
+        (t0, made0), (t1, made1) = marks[warm], marks[warm + steps]
+        tokens = made1 - made0
+        lengths = draw_limits(args, 100_000, torch.Generator().manual_seed(1))  # the mix's lengths
+        fixed = self.fixed_tok_s.get((self.attention, batch))
+        ceiling = ceiling_tok_s(self.model, slots=slots, prompt_len=args.prompt_len, lengths=lengths,
+                                bandwidth=args.bandwidth)
+        tok_s = tokens / (t1 - t0)
+        return dict(shape=self.shape, mix="stream", attention=self.attention, batch=batch, slots=slots,
+                    rows=made["fed"], rows_per_slot=0, tokens=tokens, fast_tok_s=tok_s, fast_s=t1 - t0,
+                    ms_per_step=1e3 * (t1 - t0) / steps, graph_replay_ms=None, graph_replay_tb_s=None,
+                    first_call_s=capture, generate_tok_s=None, generate_s=None, ratio=None, ceiling_tok_s=ceiling,
+                    fraction_of_ceiling=tok_s / ceiling, mean_context=mean_context(args.prompt_len, lengths),
+                    of_fixed=tok_s / fixed if fixed else None, occupancy=tokens / (steps * slots), note=note)
+
     def close(self) -> None:
         self.fd.release()
         self.model = self.fd = None
@@ -344,7 +429,7 @@ def print_table(rows: list[dict]) -> None:
           f"{'of ceil':>7} {'of fixed':>8} {'occup':>6} {'warm s':>6}")
     for r in rows:
         print(f"{r['shape']:>11} {r['mix']:>8} {r['attention']:>6} {r['batch']:5d} {r['rows']:5d} "
-              f"{r['rows_per_slot']:6d} {r['fast_tok_s']:11,.0f} "
+              f"{num(r['rows_per_slot'] or None, 'd', 6)} {r['fast_tok_s']:11,.0f} "
               f"{r['ms_per_step']:8.2f} {num(r['graph_replay_ms'], '.2f', 8)} {num(r['graph_replay_tb_s'], '.2f', 5)} "
               f"{num(r['generate_tok_s'], ',.0f', 14)} {num(r['ratio'], '.1f', 5)}{'x' if r['ratio'] else ' '} "
               f"{num(r['ceiling_tok_s'], ',.0f', 13)} {num(r['fraction_of_ceiling'], '.1%', 7)} "
@@ -374,6 +459,10 @@ def run_shape(shape: str, args: argparse.Namespace, device: torch.device, dtype:
                     for per_slot in args.rows_per_slot:
                         rows_out.append(bench.longtail(batch, per_slot))
                         print(json.dumps(rows_out[-1]), flush=True)
+            if "stream" in args.mixes:
+                for batch in args.longtail_batches or [LONGTAIL_BATCH.get(shape, 256)]:
+                    rows_out.append(bench.stream(batch))
+                    print(json.dumps(rows_out[-1]), flush=True)
     finally:
         peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
         print(f"{shape}: {time.perf_counter() - start:.0f} s, peak {peak:.1f} GiB", flush=True)
@@ -386,7 +475,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", choices=sorted(SHAPES), nargs="+", default=DEFAULT_SHAPES)
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256], help="batch sizes of the fixed mix")
-    parser.add_argument("--mixes", choices=["fixed", "longtail"], nargs="+", default=["fixed", "longtail"])
+    parser.add_argument("--mixes", choices=["fixed", "longtail", "stream"], nargs="+",
+                        default=["fixed", "longtail", "stream"])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens of every row of the fixed mix")
     parser.add_argument("--longtail-batches", type=int, nargs="+", default=None,
@@ -394,6 +484,11 @@ def main() -> None:
     parser.add_argument("--rows-per-slot", type=int, nargs="+", default=[2],
                         help="long-tail rows per sequence slot, one row of the table each (8: a GRPO step of "
                              "batch prompts x n = 8)")
+    parser.add_argument("--stream-warmup", type=int, default=None,
+                        help="stream mix: decode steps before the timed window (default --longtail-max: the rows "
+                             "that started together have all ended)")
+    parser.add_argument("--stream-steps", type=int, default=None,
+                        help="stream mix: decode steps timed (default 2 x --longtail-max)")
     parser.add_argument("--longtail-min", type=int, default=64)
     parser.add_argument("--longtail-max", type=int, default=4096)
     parser.add_argument("--generate-max-batch", type=int, default=1024,
@@ -413,6 +508,8 @@ def main() -> None:
     parser.add_argument("--profile-top", type=int, default=12, help="how many kernels --profile lists")
     parser.add_argument("--out", type=str, default=None, help="write the table rows here as JSON")
     args = parser.parse_args()
+    args.stream_warmup = args.longtail_max if args.stream_warmup is None else args.stream_warmup
+    args.stream_steps = 2 * args.longtail_max if args.stream_steps is None else args.stream_steps
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
