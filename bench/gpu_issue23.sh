@@ -32,7 +32,7 @@ T_UPD_MOE=${T_UPD_MOE:-55} T_LOGPROB=${T_LOGPROB:-150} T_FULL=${T_FULL:-360}
 
 if [ "${SMOKE:-0}" = 1 ]; then  # the same commands at toy sizes
   CHECK=(--rows 4 --heads 4 --kv-heads 2 --head-dim 16 --prompt-len 8 --min-len 4 --max-len 64 --iters 1)
-  ROLL=(--batches 4 --longtail-batches 4 --prompt-len 16 --new-tokens 16 --longtail-min 4 --longtail-max 32)
+  ROLL=(--mixes fixed longtail --batches 4 --longtail-batches 4 --prompt-len 16 --new-tokens 16 --longtail-min 4 --longtail-max 32)
   S06=tiny S17=tiny-moe
   UPD=(--rows 8 --prompt-len 8 24 --response-median 24 --response-max 48 --max-tokens-per-gpu 512 --repeats 1)
   U17=tiny UMOE=tiny UPD17=(--layouts packed+mask) UPDMOE=(--layouts packed+mask)
@@ -41,7 +41,7 @@ if [ "${SMOKE:-0}" = 1 ]; then  # the same commands at toy sizes
   T_CHECK=300 T_ROLL_06=600 T_ROLL_17=600 T_UPD_17=600 T_UPD_MOE=600 T_LOGPROB=600 T_FULL=900
 else
   CHECK=(--rows 256 16)
-  ROLL=(--batches 256 --longtail-batches 256)
+  ROLL=(--mixes fixed longtail --batches 256 --longtail-batches 256)
   S06=qwen3-0.6b S17=qwen3-1.7b
   UPD=(--repeats 1)
   U17=qwen3-1.7b UMOE=qwen3-moe-6l UPD17=(--compile-only) UPDMOE=(--layouts packed+flash)
