@@ -64,6 +64,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import (
@@ -305,18 +306,16 @@ class Bench:
                     mean_context=mean_context(args.prompt_len, [args.new_tokens] * batch), of_fixed=None,
                     occupancy=1.0, note=note)
 
-    def longtail(self, batch: int, per_slot: int) -> dict:
-        args, fd, device = self.args, self.fd, self.device
-        rows = per_slot * batch
-        plist = self.prompts(rows, seed=10_000 + batch).tolist()
-        limits = draw_limits(args, rows)
-        slots, note = batch, ""
+    def size_and_capture(self, batch: int, first: Callable[[], object]) -> tuple[int, str, float]:
+        """``first()`` sizes the cache for ``batch`` slots, halving them while it does not fit; then every
+        bucket and span is captured. Returns the slots, a note when they were halved, the capture seconds."""
+        fd, slots, note = self.fd, batch, ""
         if self.sized_for != (self.attention, batch):  # the last long-tail call's cache and graphs serve again
             fd.release()  # the cache is sized for this mix alone (not for a larger fixed batch before it)
         while True:
             fd.buckets = batch_buckets(slots)
-            try:  # size the cache for the mix (one token per row), then capture every bucket and span
-                self.call(plist, max_new=args.longtail_max, limits=[1] * rows)
+            try:
+                first()
                 break
             except MemoryError as exc:
                 if slots == 1:
@@ -325,8 +324,18 @@ class Bench:
                 slots //= 2
         if slots < batch:
             note += f"ran {slots} slots"
-        capture = timed(lambda: fd.capture_graphs(**self.sample), device)
+        capture = timed(lambda: fd.capture_graphs(**self.sample), self.device)
         self.sized_for = (self.attention, batch)
+        return slots, note, capture
+
+    def longtail(self, batch: int, per_slot: int) -> dict:
+        args, fd, device = self.args, self.fd, self.device
+        rows = per_slot * batch
+        plist = self.prompts(rows, seed=10_000 + batch).tolist()
+        limits = draw_limits(args, rows)
+        # the cache sized for the mix by a call of one token per row
+        slots, note, capture = self.size_and_capture(
+            batch, lambda: self.call(plist, max_new=args.longtail_max, limits=[1] * rows))
         steps = fd.steps
         out = {}
         elapsed = timed(lambda: out.setdefault("tail", self.call(plist, max_new=args.longtail_max, limits=limits)),
@@ -378,24 +387,7 @@ class Bench:
                                  slots=args.prompt_len + args.longtail_max, generator=gen, eos=self.eos,
                                  interrupt=interrupt, **self.sample)
 
-        fd.buckets = batch_buckets(batch)
-        if self.sized_for != (self.attention, batch):
-            fd.release()
-        slots, note = batch, ""
-        while True:  # size the cache (a one-step stream), then capture every bucket and span
-            try:
-                run(1)
-                break
-            except MemoryError as exc:
-                if slots == 1:
-                    raise
-                note = f"{batch} slots do not fit ({str(exc).split(', but ')[0].split('needs ')[-1]}); "
-                slots //= 2
-                fd.buckets = batch_buckets(slots)
-        if slots < batch:
-            note += f"ran {slots} slots"
-        capture = timed(lambda: fd.capture_graphs(**self.sample), device)
-        self.sized_for = (self.attention, batch)
+        slots, note, capture = self.size_and_capture(batch, lambda: run(1))  # sized by a one-step stream
         warm, steps = args.stream_warmup, args.stream_steps
         marks = {warm: None, warm + steps: None}
         run(warm + steps, marks)
