@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from spmd_rl.actor import global_counts
 from spmd_rl.algo import losses
 from spmd_rl.algo.advantages import gae
 from spmd_rl.algo.objective import CRITIC_ESTIMATORS
@@ -120,11 +121,7 @@ class Critic:
         updates = self.epochs * self.mini_batches
         for _epoch in range(self.epochs):
             for mini in batch.chunks(self.mini_batches):
-                counts = torch.tensor([mini["response_mask"].sum().item(), float(len(mini))],
-                                      dtype=torch.float64) * self.sum_weight
-                if self.group is not None and dist.get_world_size(self.group) > 1:
-                    dist.all_reduce(counts, group=self.group)
-                global_tokens, global_seqs = counts.tolist()
+                global_tokens, global_seqs = global_counts(mini, sum_weight=self.sum_weight, group=self.group)
                 pending: list[torch.Tensor] = []  # (loss, clipfrac, vpred sum, tokens) per micro-batch: no sync
                 stats = self.engine.train_mini_batch(
                     self.engine.micro_batches(mini, micro_batch_size=self.cfg.micro_batch_size),

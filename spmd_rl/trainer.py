@@ -26,7 +26,7 @@ else is symmetric. Per step:
 8. values       the critic's values of every response token (``algo.adv_estimator=gae``, spmd_rl.critic);
 9. adv          group advantages, local since all n responses of a prompt are on one rank, or GAE
                 from token-level rewards and the values;
-10. update      mini-batches x micro-batches with global token normalisation;
+10. update      mini-batches x micro-batches with global token normalisation (spmd_rl.actor);
 11. critic_update  the critic's value loss, the same mini-batches (PPO with a critic only).
 
 With ``trainer.max_staleness`` S > 0 (a rollout pool) stages 1-2 become ``wait_rollout``: the step
@@ -53,7 +53,8 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.algo.filtering import DynamicSampling
-from spmd_rl.algo.objective import actor_objective, compute_advantages
+from spmd_rl.actor import ActorUpdate
+from spmd_rl.algo.objective import compute_advantages
 from spmd_rl.checkpoint import Checkpointer, checkpoint_bytes
 from spmd_rl.checkpoint_files import model_parameters
 from spmd_rl.config import Config, to_dict, to_yaml
@@ -119,6 +120,9 @@ class Trainer:
         self.schedule = self._async_schedule()
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.actor_update = ActorUpdate(self.actor, cfg=cfg, mini_batches=self.mini_batches,
+                                        sum_weight=self.place.sum_weight, group=self.group, device=env.device,
+                                        temperature=self.temperature, logs_rollout_gap=self.logs_rollout_gap)
         self.dynamic = DynamicSampling(  # DAPO: rounds until data.train_batch_size groups whose scores differ
             train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n, max_rounds=cfg.algo.max_sample_rounds,
             group=self.group, actor_dp=self.place.actor_dp, actor_dp_size=self.place.actor_dp_size,
@@ -474,61 +478,8 @@ class Trainer:
         acc.add("critic/advantages/mean", (adv * mask).sum().item() / max(mask.sum().item(), 1), mask.sum().item())
 
     def update(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
-        cfg = self.cfg
-        device = self.env.device
-        for _epoch in range(cfg.actor.ppo_epochs):
-            for mini in batch.chunks(self.mini_batches):
-                counts = torch.tensor([mini["response_mask"].sum().item(), float(len(mini))],
-                                      dtype=torch.float64) * self.place.sum_weight
-                if dist.get_world_size(self.group) > 1:
-                    dist.all_reduce(counts, group=self.group)
-                global_tokens, global_seqs = counts.tolist()
-
-                pending: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []  # read after the step: no sync
-
-                def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, micro: RolloutBatch):
-                    mask = micro["response_mask"].to(device)
-                    old = micro["old_logprobs"].to(device) if "old_logprobs" in micro else logprobs.detach()
-                    ref = micro["ref_logprobs"].to(device) if "ref_logprobs" in micro else None
-                    sampled = micro["rollout_logprobs"].to(device) if cfg.algo.rollout_is != "none" else None
-                    teacher = micro["teacher_logprobs"].to(device) if "teacher_logprobs" in micro else None
-                    loss, metrics = actor_objective(
-                        logprobs, entropy, old_logprobs=old, advantages=micro["advantages"].to(device),
-                        response_mask=mask, ref_logprobs=ref, algo=cfg.algo,
-                        global_tokens=global_tokens, global_seqs=global_seqs, rollout_logprobs=sampled,
-                        teacher_logprobs=teacher)
-                    tokens = mask.sum()
-                    if "old_logprobs" not in micro and self.logs_rollout_gap:  # old_logprobs() did not run
-                        gap = (old - micro["rollout_logprobs"].to(device)).abs() * mask
-                        pending.append(("rollout/logprob_abs_diff", gap.sum() / tokens.clamp(min=1), tokens))
-                        if "staleness" in micro:  # tokens the current weights sampled
-                            fresh = (micro["staleness"].to(device) == 0).float() * mask
-                            fresh_gap = (gap * fresh).sum() / fresh.sum().clamp(min=1)
-                            pending.append(("async/logprob_abs_diff_fresh", fresh_gap, fresh.sum()))
-                    for key, value in metrics.items():
-                        global_part = key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/distill_kl")
-                        pending.append((key, value.detach(), None if global_part else tokens))
-                    return loss, metrics
-
-                stats = self.actor.train_mini_batch(
-                    self.actor.micro_batches(mini, micro_batch_size=cfg.actor.micro_batch_size), loss_fn,
-                    temperature=self.temperature, need_entropy_grad=cfg.algo.entropy_coef > 0)
-                if pending:  # one device-to-host copy for the mini-batch's metrics: (value, tokens) pairs
-                    pairs = torch.stack([torch.stack([v, v if t is None else t]).float().reshape(2)
-                                         for _, v, t in pending]).tolist()
-                    for (key, _, tokens), (value, weight) in zip(pending, pairs):
-                        if tokens is None:  # global parts
-                            acc.add_sum(key, value * self.place.sum_weight / self.updates_per_step)
-                        elif weight > 0:  # (a micro-batch without such tokens adds nothing)
-                            acc.add(key, value, weight)
-                # grad_norm and lr are identical on every rank; weight 1 per rank keeps the mean exact.
-                skipped = stats.get("skipped", 0.0)  # a non-finite update the engine was allowed to skip
-                if not skipped:
-                    acc.add("actor/grad_norm", stats["grad_norm"])
-                acc.add("actor/skipped_updates", skipped * self.updates_per_step)  # mean x count = count
-                acc.add("actor/lr", stats["lr"])
-                if "moe_aux_loss" in stats:  # an MoE actor's router load-balancing loss (this rank's mean)
-                    acc.add("actor/moe_aux_loss", stats["moe_aux_loss"])
+        """The actor's optimizer steps on the batch (:class:`~spmd_rl.actor.ActorUpdate`); a new policy version."""
+        self.actor_update(batch, acc)
         self.actor.offload()  # params / optimizer state to CPU if configured (no-op on CPU runs)
         self.policy_version += 1
 
