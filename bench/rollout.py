@@ -372,7 +372,7 @@ class Bench:
         def finish(key, tokens, logprobs, truncated) -> None:
             made["finished"] += len(tokens)
 
-        def run(stop_at: int, marks: dict[int, tuple[float, int]] | None = None):
+        def run(stop_at: int, marks: dict[int, tuple[float, int] | None] | None = None):
             """A stream interrupted after ``stop_at`` steps; ``marks`` gets (time, tokens made) at the steps it names."""
             gen = torch.Generator(device=device).manual_seed(0)
 
@@ -502,6 +502,8 @@ def main() -> None:
     args = parser.parse_args()
     args.stream_warmup = args.longtail_max if args.stream_warmup is None else args.stream_warmup
     args.stream_steps = 2 * args.longtail_max if args.stream_steps is None else args.stream_steps
+    if args.stream_warmup < 1 or args.stream_steps < 1:
+        parser.error(f"--stream-warmup ({args.stream_warmup}) and --stream-steps ({args.stream_steps}) must be >= 1")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
