@@ -119,7 +119,6 @@ class Trainer:
             self.link.max_in_flight = self.staleness + 2
         self.schedule = self._async_schedule()
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
-        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.actor_update = ActorUpdate(self.actor, cfg=cfg, mini_batches=self.mini_batches,
                                         sum_weight=self.place.sum_weight, group=self.group, device=env.device,
                                         temperature=self.temperature, logs_rollout_gap=self.logs_rollout_gap)
@@ -135,6 +134,11 @@ class Trainer:
         self.checkpointer.check_writable(checkpoint_bytes(  # before the first step, not at the first save
             model_parameters(self.model_folder) * (2 if self.critic else 1),
             hf_copy=engine_spec(cfg.actor.engine).export_copy))
+
+    @property
+    def temperature(self) -> float:
+        """The temperature every log-prob is computed at: the rollout's (1 for greedy, T = 0)."""
+        return self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
 
     @property
     def need_old_logprobs(self) -> bool:
