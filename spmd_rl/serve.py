@@ -27,7 +27,7 @@ def serve_pool(cfg: Config, env: DistEnv, groups: RunGroups) -> int:
     if groups.in_rollout_pool:
         from spmd_rl.rollout import build_rollout_from_config
         from spmd_rl.rollout.pool import serve_rollout_pool
-        from spmd_rl.step import rollout_seed
+        from spmd_rl.seeds import engine_seed
 
         assert groups.rollout_link is not None
         folder = resolve_model_path(cfg.model.path, cache_dir=cfg.model.cache_dir)
@@ -37,7 +37,7 @@ def serve_pool(cfg: Config, env: DistEnv, groups: RunGroups) -> int:
         engine = build_rollout_from_config(
             cfg.rollout, model_folder=folder, device=env.device, pad_token_id=int(tokenizer.pad_token_id),
             eos_token_ids=eos_token_ids(tokenizer), trust_remote_code=cfg.model.trust_remote_code,
-            max_prompt_length=cfg.data.max_prompt_length, seed=rollout_seed(cfg, replica),
+            max_prompt_length=cfg.data.max_prompt_length, seed=engine_seed(cfg.trainer.seed, replica),
             pool_groups=groups.rollout_pool_groups)
         try:
             # never asleep: its memory is its own (its pool's ranks, or its capped share of a shared GPU)

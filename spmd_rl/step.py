@@ -15,7 +15,6 @@ from typing import Iterator
 
 import torch
 
-from spmd_rl.config import Config
 from spmd_rl.distributed import watchdog
 from spmd_rl.distributed.plan import Plan
 from spmd_rl.profiling import STAGE_PREFIX
@@ -68,12 +67,6 @@ class Placement:
     def rollout_source(self, rank: int, pool_size: int) -> tuple[int, int]:
         """Rows' origin for :func:`relayout`: the replica (one model per rank) or the rank's own share."""
         return (rank, pool_size) if self.rollout_mp_size > 1 else (self.rollout_dp, self.rollout_dp_size)
-
-
-def rollout_seed(cfg: Config, replica: int) -> int:
-    """The rollout engine's seed: one per replica (rollout dp rank), shared by its tp x pp ranks,
-    the same whether the rollout is colocated or on its own pool."""
-    return cfg.trainer.seed * 1_000_003 + replica
 
 
 class InFlight:
@@ -156,4 +149,4 @@ class GroupsInFlight:
         self.restored = [(int(r[0]), [int(i) for i in r[1:]]) for r in state["rounds"]]
 
 
-__all__ = ["GroupsInFlight", "InFlight", "Placement", "StageTimer", "rollout_seed"]
+__all__ = ["GroupsInFlight", "InFlight", "Placement", "StageTimer"]

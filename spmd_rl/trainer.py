@@ -78,7 +78,8 @@ from spmd_rl.reward import overlong_penalty
 from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout_from_config
 from spmd_rl.schedule import AsyncSchedule
-from spmd_rl.step import Placement, StageTimer, rollout_seed
+from spmd_rl.seeds import call_seed, engine_seed, replica_seed
+from spmd_rl.step import Placement, StageTimer
 
 log = logging.getLogger("spmd_rl")
 
@@ -110,7 +111,7 @@ class Trainer:
         self.rollout = None if self.link else build_rollout_from_config(
             cfg.rollout, model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
             eos_token_ids=self.eos_ids, trust_remote_code=cfg.model.trust_remote_code,
-            max_prompt_length=cfg.data.max_prompt_length, seed=rollout_seed(cfg, self.place.rollout_dp),
+            max_prompt_length=cfg.data.max_prompt_length, seed=engine_seed(cfg.trainer.seed, self.place.rollout_dp),
             pool_groups=groups.rollout_pool_groups)
         self.policy_version = self.rollout_version = 0  # actor updates so far / those the rollout holds
         self.row_weight = 1.0  # what a row this rank holds counts in sums (< 1 where rows repeat over ranks)
@@ -301,7 +302,7 @@ class Trainer:
         """``round_``: the step's round of prompts (> 0 only under ``algo.filter_groups``)."""
         r = self.cfg.rollout
         return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                    seed=self.cfg.trainer.seed * 1_000_003 + step * 7919 + round_ * 104_729)  # + the replica's dp rank
+                    seed=call_seed(self.cfg.trainer.seed, step, round_))  # + the replica's dp rank
 
     def generate(self, acc: MetricAccumulator, round_: int = 0) -> RolloutBatch:
         indices, sampling = self.draw(), self.sampling(self.step, round_)
@@ -313,7 +314,7 @@ class Trainer:
         per_rank = len(indices) // dp_size
         mine = list(range(dp * per_rank, (dp + 1) * per_rank))
         self.rollout.wake_up()
-        g = self.rollout.generate([self.train_ids[indices[i]] for i in mine], **{**sampling, "seed": sampling["seed"] + dp})
+        g = self.rollout.generate([self.train_ids[indices[i]] for i in mine], **{**sampling, "seed": replica_seed(sampling["seed"], dp)})
         self.rollout.sleep(self.cfg.rollout.sleep_level)
         out = {"response_ids": g.response_ids, "response_mask": g.response_mask, "logprobs": g.logprobs,
                "truncated": g.truncated}

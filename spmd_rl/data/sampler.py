@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-_SEED_MIX = 1_000_003
+from spmd_rl.seeds import epoch_seed
 
 
 class PromptSampler:
@@ -37,7 +37,7 @@ class PromptSampler:
     def epoch_order(self, epoch: int) -> list[int]:
         """The permutation used in ``epoch`` (a pure function of ``seed`` and ``epoch``)."""
         g = torch.Generator()
-        g.manual_seed((self.seed * _SEED_MIX + epoch) % (2**63))
+        g.manual_seed(epoch_seed(self.seed, epoch))
         return torch.randperm(self.num_items, generator=g).tolist()
 
     def _current(self) -> list[int]:

@@ -54,6 +54,7 @@ from spmd_rl.distributed.bridge import (
 from spmd_rl.distributed.comm import isend_object, recv_object, split_even, tell_servers
 from spmd_rl.distributed.dims import RolloutLayout
 from spmd_rl.distributed.pools import PoolSpec
+from spmd_rl.seeds import replica_seed
 
 log = logging.getLogger("spmd_rl")
 
@@ -399,7 +400,7 @@ class RolloutServer:
                 hooks = self._hooks() if train else {}
                 out = self.engine.generate(prompts, n=n, temperature=p["temperature"], top_p=p["top_p"],
                                            top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
-                                           seed=p["seed"] + (self.replica if train else 0), **hooks)
+                                           seed=replica_seed(p["seed"], self.replica if train else 0), **hooks)
                 self.engine.sleep(self.sleep_level)
                 versions = (torch.tensor(self.versions)[out.weight_swaps] if out.weight_swaps is not None
                             else torch.full(out.response_ids.shape, self.version, dtype=torch.long))

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from spmd_rl.distributed.bridge import RowRoute, pack_prompts, recv_rows, send_rows, settle
 from spmd_rl.distributed.comm import RemoteFailure, broadcast_object, recv_object
+from spmd_rl.seeds import replica_seed
 
 from .pool import COMMANDS_KEY, CONTROLLER, WEIGHTS_KEY, RolloutLink, RolloutServer, _spec, _store
 
@@ -342,7 +343,7 @@ class StreamServer(RolloutServer):
             self.engine.stream(feed=self._feed, done=self._done, temperature=p["temperature"], top_p=p["top_p"],
                                top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
                                max_prompt_length=self.max_prompt_length,
-                               seed=p["seed"] + self.replica + 104_729 * self.streams, **self._hooks())
+                               seed=replica_seed(p["seed"], self.replica, stream=self.streams), **self._hooks())
             self.busy_s += time.perf_counter() - self.stream_start
         except Exception as e:  # noqa: BLE001 - the actor ranks raise it
             self.error = f"{self.where}: generation failed: {type(e).__name__}: {e}"

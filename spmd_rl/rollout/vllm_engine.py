@@ -48,6 +48,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from spmd_rl.seeds import request_seed
+
 from .base import GenerationOutput, check_sampling_args
 from .vllm_groups import VllmPoolGroups
 
@@ -202,7 +204,7 @@ class VllmRollout:
         # tp group send the same seeds, replicas different ones (the caller's seed differs).
         params = [
             SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
-                           seed=(seed * 1_000_003 + 7919 * i) % _SEED_MOD, logprobs=0,
+                           seed=request_seed(seed, i, _SEED_MOD), logprobs=0,
                            stop_token_ids=self.eos_token_ids, ignore_eos=not self.eos_token_ids, detokenize=False)
             for i in range(len(prompt_ids))
         ]
