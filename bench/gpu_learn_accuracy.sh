@@ -2,7 +2,7 @@
 # The GPU learning run: held-out accuracy (sums) and GSM8K test accuracy of SmolLM2-135M-Instruct
 # before and after 200 GRPO steps (configs/gpu_learn.yaml). Run from the repository root.
 #
-# Usage: bash bench/gpu_learn.sh [base] [train] [final] [table]   (default: all four, in order)
+# Usage: bash bench/gpu_learn_accuracy.sh [base] [train] [final] [table]   (default: all four, in order)
 # Every phase skips what is already done, and training resumes from its newest checkpoint, so a
 # run cut by a time limit continues where it stopped when the script runs again.
 # Environment:
@@ -17,13 +17,13 @@
 #     run. A CPU dry run (~3 minutes on 2 cores):
 #       RUN=/tmp/dry MODEL=tiny-random EXTRA="--trainer.device cpu" EVAL_EXTRA="--limit 4" \
 #       TRAIN_EXTRA="--trainer.total-steps 2 --trainer.val-every 2 --data.val-size 8 --actor.fsdp.no-compile-layers" \
-#       bash bench/gpu_learn.sh
+#       bash bench/gpu_learn_accuracy.sh
 set -euo pipefail
 NPROC=${NPROC:-1}
 RUN=${RUN:-runs/gpu_learn}
 MODEL=${MODEL:-smollm2-135m-instruct}
 GSM=${GSM8K_TEST:-}
-OUT=${OUT:-/tmp/gpu_learn}
+OUT=${OUT:-/tmp/gpu_learn_accuracy}
 mkdir -p "$RUN" "$OUT"
 . bench/offline_env.sh  # $WHEELHOUSE packages, PYTHONPATH
 phases=${*:-base train final table}

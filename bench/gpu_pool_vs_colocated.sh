@@ -3,13 +3,13 @@
 # colocated hot-swap (bench/pools.py), then the same GRPO run colocated (1 process) and with a rollout
 # pool sharing the GPU (2 processes), with a table of their stage times. Run from the repository root.
 #
-# Usage: bash bench/gpu_pools.sh [STEPS]       (default 8 steps; output: two tables, and $OUT/*)
+# Usage: bash bench/gpu_pool_vs_colocated.sh [STEPS]       (default 8 steps; output: two tables, and $OUT/*)
 # Environment: SHAPE (default qwen2-0.5b: random weights, bench/shapes.py), WHEELHOUSE (offline
-# packages, see docs/PERF.md), OUT (default /tmp/gpu_pools).
+# packages, see docs/PERF.md), OUT (default /tmp/gpu_pool_vs_colocated).
 set -euo pipefail
 STEPS=${1:-8}
 SHAPE=${SHAPE:-qwen2-0.5b}
-OUT=${OUT:-/tmp/gpu_pools}
+OUT=${OUT:-/tmp/gpu_pool_vs_colocated}
 MODEL=$SHAPE
 mkdir -p "$OUT"
 . bench/offline_env.sh  # $WHEELHOUSE packages, PYTHONPATH
