@@ -8,6 +8,7 @@ so group advantages are computed locally.
     batch = RolloutBatch.from_generation(out, group_index=..., pad_token_id=...)
     for micro in batch.split(8):
         inputs = micro.model_inputs(pad_token_id)   # left-padded prompt + right-padded response
+    texts = decode_responses(tokenizer, batch["response_ids"], batch["response_mask"])
 """
 
 from __future__ import annotations
@@ -16,6 +17,17 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+
+
+def response_tokens(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's response token ids (``[B, T]`` ids, right-padded, and their 0/1 mask)."""
+    return [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
+
+
+def decode_responses(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Each row's response as text, special tokens left out (what rewards and validation read)."""
+    tokens = response_tokens(ids, mask)
+    return tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokens else []  # [] would give ['']
 
 
 @dataclass
