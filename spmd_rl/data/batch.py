@@ -8,7 +8,7 @@ so group advantages are computed locally.
     batch = RolloutBatch.from_generation(out, group_index=..., pad_token_id=...)
     for micro in batch.split(8):
         inputs = micro.model_inputs(pad_token_id)   # left-padded prompt + right-padded response
-    texts = decode_responses(tokenizer, batch["response_ids"], batch["response_mask"])
+    texts = decode_responses(tokenizer, response_tokens(batch["response_ids"], batch["response_mask"]))
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def response_tokens(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
 
 
-def decode_responses(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    """Each row's response as text, special tokens left out (what rewards and validation read)."""
-    tokens = response_tokens(ids, mask)
+def decode_responses(tokenizer: Any, tokens: list[list[int]]) -> list[str]:
+    """Responses' token ids (:func:`response_tokens`) as text, special tokens left out (what rewards
+    and validation read)."""
     return tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokens else []  # [] would give ['']
 
 
