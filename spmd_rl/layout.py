@@ -5,7 +5,7 @@
     python -m spmd_rl.layout --pools.rollout-ranks 2 --pools.colocate 2 --world-size 4 --nproc-per-node 4
 
 Takes every flag of ``spmd_rl.train`` (same config loading) plus its own. It runs the same
-validation as the trainer (:func:`spmd_rl.distributed.plan.plan`), so an invalid layout exits non-zero
+validation as the trainer (:func:`spmd_rl.plan.plan`), so an invalid layout exits non-zero
 with the trainer's message. The text output is tables (ranks, then groups); ``--json`` prints one
 object ``{"world_size", "pools", "ranks": [...], "groups": {"<mesh>.<axis>": [[global ranks], ...]}}``;
 each rank has its ``"pools"`` (name -> rank in that pool) and its ``"gpu"`` (device index on its node,
@@ -23,7 +23,7 @@ from typing import Annotated, Any
 import tyro
 
 from spmd_rl.config import load_config
-from spmd_rl.distributed.plan import Plan, plan
+from spmd_rl.plan import Plan, plan
 from spmd_rl.engine import engine_spec
 
 

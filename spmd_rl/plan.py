@@ -10,7 +10,8 @@ live in its ``__post_init__``; an engine checks only what it alone can know, suc
 count against tp). ``python -m spmd_rl.train``, the trainer and the layout tool
 (``python -m spmd_rl.layout``) all call it. The layouts live in :mod:`spmd_rl.distributed.dims`;
 what differs between training engines and rollout backends comes from their registries
-(:mod:`spmd_rl.engine`, :mod:`spmd_rl.rollout`), so nothing here branches on their names.
+(:mod:`spmd_rl.engine`, :mod:`spmd_rl.rollout`), so nothing here branches on their names. It sits
+above :mod:`spmd_rl.distributed` (which it reads, and which imports nothing of it) and those registries.
 """
 
 from __future__ import annotations
@@ -176,16 +177,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
                        reward_ranks=pools.reward_ranks)
     g = specs[0]
     engine, backend = engine_spec(cfg.actor.engine), backend_spec(cfg.rollout.backend)
-    unavailable: dict[str, str] = {}
-    layouts: dict[str, Any] = {}
-    for name, spec in ENGINES.items():  # the engine in use must be valid; the others are shown when they are
-        try:
-            layouts.update(spec.layouts(cfg.actor, g.size))
-        except ValueError as e:
-            if spec is engine:
-                raise
-            layouts.update({mesh: None for mesh in spec.meshes})
-            unavailable.update({mesh: str(e) for mesh in spec.meshes})
+    layouts, unavailable = _engine_layouts(cfg, g.size, engine)
     actor: ActorLayout = layouts[engine.batch_layout]
     by_name = {s.name: s for s in specs}
     rollout_pool = by_name.get(ROLLOUT, g)
@@ -197,16 +189,56 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
     _check_pools(cfg, by_name)
     _check_teacher(cfg, separate=teacher is not None, engine_meshes=engine.meshes)
     warnings = list(engine.warnings(cfg.actor)) + _check_critic(cfg, engine_builds_critic=engine.critic)
-    if cfg.trainer.max_staleness > 0:
-        if ROLLOUT not in by_name:
-            raise ValueError(
-                f"trainer.max_staleness={cfg.trainer.max_staleness} overlaps generation with the update, which needs "
-                f"the rollout on ranks of its own: set --pools.rollout-ranks N (N > 0), or --trainer.max-staleness 0")
-        if cfg.algo.rollout_is == "none":
-            warnings.append(f"trainer.max_staleness={cfg.trainer.max_staleness} trains on samples of an older policy "
-                            f"with no importance correction: consider --algo.rollout-is token_truncated")
+    warnings += _check_staleness(cfg, rollout_pool=ROLLOUT in by_name)
     _check_in_flight(cfg, rollout_pool=ROLLOUT in by_name, backend=backend)
     fractions = _memory_fractions(cfg, specs, world_size, nproc_per_node)
+    _check_engine(cfg, engine)
+    _check_backend(cfg, backend, rollout)
+    _check_batch_sizes(cfg, rollout, rollout_pool, actor)
+    tb, mb = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
+    return Plan(
+        world_size=world_size, nproc_per_node=nproc_per_node, engine=cfg.actor.engine, pools=tuple(specs),
+        actor=actor, actor_meshes=engine.meshes, layouts_by_name=layouts, rollout=rollout,
+        reward_fsdp=reward_fsdp, teacher_fsdp=teacher_fsdp, rollout_prompts_per_replica=tb // rollout.dp_size,
+        actor_prompts_per_mini_batch=mb // actor.dp_size, colocate=pools.colocate, memory_fractions=fractions,
+        rollout_backend=cfg.rollout.backend,
+        unavailable=unavailable, warnings=tuple(warnings),
+    )
+
+
+def _engine_layouts(cfg: Config, size: int, engine: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every registered engine's layouts over the global pool (``size`` ranks), by mesh name; those of
+    an engine other than ``engine`` that are invalid here are None, with the reason in the second map.
+    The engine in use must be valid (its ValueError propagates)."""
+    unavailable: dict[str, str] = {}
+    layouts: dict[str, Any] = {}
+    for spec in ENGINES.values():
+        try:
+            layouts.update(spec.layouts(cfg.actor, size))
+        except ValueError as e:
+            if spec is engine:
+                raise
+            layouts.update({mesh: None for mesh in spec.meshes})
+            unavailable.update({mesh: str(e) for mesh in spec.meshes})
+    return layouts, unavailable
+
+
+def _check_staleness(cfg: Config, *, rollout_pool: bool) -> list[str]:
+    """Asynchronous GRPO (``trainer.max_staleness`` > 0) needs a rollout pool; its warnings."""
+    if cfg.trainer.max_staleness == 0:
+        return []
+    if not rollout_pool:
+        raise ValueError(
+            f"trainer.max_staleness={cfg.trainer.max_staleness} overlaps generation with the update, which needs "
+            f"the rollout on ranks of its own: set --pools.rollout-ranks N (N > 0), or --trainer.max-staleness 0")
+    if cfg.algo.rollout_is == "none":
+        return [f"trainer.max_staleness={cfg.trainer.max_staleness} trains on samples of an older policy "
+                f"with no importance correction: consider --algo.rollout-is token_truncated"]
+    return []
+
+
+def _check_engine(cfg: Config, engine: Any) -> None:
+    """What the training engine in use (its registry entry) supports: LoRA, the MoE loss, its flags."""
     if cfg.actor.lora.enabled and not engine.lora:
         supported = sorted(name for name, spec in ENGINES.items() if spec.lora)
         raise ValueError(f"actor.lora.rank={cfg.actor.lora.rank} trains LoRA adapters, which actor.engine="
@@ -221,6 +253,10 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
     if ignored:
         raise ValueError(f"{', '.join(ignored)} apply to actor.engine=fsdp only; unset them for "
                          f"actor.engine={cfg.actor.engine} (which uses actor.micro_batch_size)")
+
+
+def _check_backend(cfg: Config, backend: Any, rollout: RolloutLayout) -> None:
+    """What the rollout backend in use (its registry entry) supports: sharded models, its own rules."""
     if not backend.model_parallel and rollout.tp * rollout.pp > 1:
         raise ValueError(
             f"rollout.tp ({rollout.tp}) * rollout.pp ({rollout.pp}) > 1 needs a sharded rollout engine; "
@@ -228,6 +264,10 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
             f"--rollout.pp 1 or --rollout.backend vllm")
     backend.check(cfg.rollout)
 
+
+def _check_batch_sizes(cfg: Config, rollout: RolloutLayout, rollout_pool: PoolSpec, actor: ActorLayout) -> None:
+    """The step's prompts split evenly over the rollout replicas, the actor's data-parallel ranks and
+    the ranks of one rollout replica."""
     tb, mb = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
     rdp = rollout.dp_size
     if tb % rdp:
@@ -252,14 +292,6 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
             f"{tb // rdp * cfg.rollout.n} responses per rollout replica must be divisible by rollout.tp ({rollout.tp}) "
             f"* rollout.pp ({rollout.pp}), so that every rank of a replica keeps the same share"
         )
-    return Plan(
-        world_size=world_size, nproc_per_node=nproc_per_node, engine=cfg.actor.engine, pools=tuple(specs),
-        actor=actor, actor_meshes=engine.meshes, layouts_by_name=layouts, rollout=rollout,
-        reward_fsdp=reward_fsdp, teacher_fsdp=teacher_fsdp, rollout_prompts_per_replica=tb // rdp,
-        actor_prompts_per_mini_batch=mb // adp, colocate=pools.colocate, memory_fractions=fractions,
-        rollout_backend=cfg.rollout.backend,
-        unavailable=unavailable, warnings=tuple(warnings),
-    )
 
 
 def _check_sections(cfg: Config) -> None:

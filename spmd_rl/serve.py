@@ -13,7 +13,7 @@ from __future__ import annotations
 from spmd_rl.config import Config
 from spmd_rl.distributed.env import DistEnv
 from spmd_rl.distributed.pools import ROLLOUT, TEACHER
-from spmd_rl.distributed.world import RunGroups
+from spmd_rl.world import RunGroups
 
 
 def serve_pool(cfg: Config, env: DistEnv, groups: RunGroups) -> int:

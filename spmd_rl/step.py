@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from spmd_rl.distributed import watchdog
-from spmd_rl.distributed.plan import Plan
+from spmd_rl.plan import Plan
 from spmd_rl.profiling import STAGE_PREFIX
 
 

@@ -31,7 +31,7 @@ _PARENT_PID = os.getppid()  # before the imports below: the launcher that starte
 from typing import TYPE_CHECKING
 
 from spmd_rl.config import load_config
-from spmd_rl.distributed.plan import plan
+from spmd_rl.plan import plan
 from spmd_rl.distributed.process import die_with_parent, exit_now, run_entry
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     cap_memory(run_plan, env)
     watchdog = start_watchdog(env, cfg.trainer.stall_timeout_s)  # stage 'setup' until the trainer's first
     install(watchdog)
-    from spmd_rl.distributed.world import build_run_groups
+    from spmd_rl.world import build_run_groups
     from spmd_rl.trainer import Trainer  # heavy imports after the cheap checks
     import transformers
 

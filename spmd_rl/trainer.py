@@ -65,9 +65,9 @@ from spmd_rl.data.prompts import render_prompts
 from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.distributed.comm import all_gather_objects, broadcast_object, fail_together, relayout
 from spmd_rl.distributed.env import DistEnv, format_rank_table
-from spmd_rl.distributed.plan import plan
+from spmd_rl.plan import plan
 from spmd_rl.distributed.pools import GLOBAL
-from spmd_rl.distributed.world import RunGroups, build_run_groups
+from spmd_rl.world import RunGroups, build_run_groups
 from spmd_rl.distill import TeacherLink, check_tokenizers
 from spmd_rl.engine import build_engine, build_reference, build_teacher, engine_spec
 from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, grpo_step_flops, peak_flops, phase_mfu

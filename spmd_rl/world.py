@@ -1,6 +1,6 @@
 """The run's process groups, built once on every rank of the world before the pools part ways.
 
-    run_plan = plan(cfg, env.world_size, env.local_world_size)     # spmd_rl.distributed.plan
+    run_plan = plan(cfg, env.world_size, env.local_world_size)     # spmd_rl.plan
     groups = build_run_groups(run_plan, env, close_timeout_s=60)   # collective over the whole world
     groups.role       # "trainer" (global pool), "rollout", "teacher" or "reward": spmd_rl.train dispatches
     Trainer(cfg, env, groups=groups)                               # on the global pool
@@ -10,8 +10,9 @@ is a subset of it, so every rank creates every pool's groups and meshes here, in
 the pools run different loops: the actor's meshes, the reward and teacher pools' FSDP meshes, the
 weight bridges from the actor to a rollout pool, the rollout backend's own groups over its pool
 when that pool is not the whole world (vLLM's, :mod:`spmd_rl.rollout.vllm_groups`), and the links
-between the actor pool and each serving pool. The rank table is gathered here too (every rank contributes its host and device), so
-it covers every pool.
+between the actor pool and each serving pool. The rank table is gathered here too (every rank
+contributes its host and device), so it covers every pool. It sits above :mod:`spmd_rl.distributed`,
+the engines and the roles whose links it builds.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from spmd_rl.distill import TeacherLink
-    from spmd_rl.distributed.plan import Plan
+    from spmd_rl.plan import Plan
     from spmd_rl.rollout.pool import RolloutLink
 
 

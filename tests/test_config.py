@@ -191,7 +191,7 @@ def test_train_help_imports_no_torch():
 @pytest.mark.parametrize("preset", sorted(p.name for p in (Path(__file__).parent.parent / "configs").glob("*.yaml")))
 def test_every_preset_loads_and_plans(preset):
     """Each shipped preset parses, passes validation, and lays out on 1 and 2 processes."""
-    from spmd_rl.distributed.plan import plan
+    from spmd_rl.plan import plan
 
     cfg = load_config(["--config", str(Path(__file__).parent.parent / "configs" / preset)])
     for world in (1, 2):

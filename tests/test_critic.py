@@ -29,7 +29,7 @@ from spmd_rl.config import AlgoConfig, CriticConfig, FsdpConfig, load_config
 from spmd_rl.critic import Critic, last_token_rewards, token_rewards
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.dims import FsdpLayout
-from spmd_rl.distributed.plan import plan
+from spmd_rl.plan import plan
 from spmd_rl.distributed.testing import run_distributed
 from spmd_rl.engine import critic_optimizer
 from spmd_rl.engine.value import load_value_model

@@ -19,7 +19,7 @@ from conftest import REPO
 from spmd_rl.algo.filtering import DynamicSampling, informative, select
 from spmd_rl.config import load_config
 from spmd_rl.data.batch import RolloutBatch
-from spmd_rl.distributed.plan import plan
+from spmd_rl.plan import plan
 from spmd_rl.distributed.testing import run_distributed
 from spmd_rl.metrics import MetricAccumulator
 
@@ -38,6 +38,15 @@ def _round(scores: list[list[float]], *, tag: int, groups: range | None = None, 
                  "group_index": torch.tensor([g for g, _ in rows]), "scores": torch.tensor([scores[g][j] for g, j in rows])},
         extras={"sample": [tag * 100 + g for g, _ in rows]},
     )
+
+
+def _collect(sampling: DynamicSampling, first, acc, more):
+    """One step's rounds as the DAPO batch source runs them: ``more(r)`` is round r."""
+    chosen = sampling.begin()
+    batch = first
+    while not chosen.add(batch):
+        batch = more(chosen.rounds)
+    return chosen.finish(acc)
 
 
 def test_informative_and_select():
@@ -62,7 +71,7 @@ def test_one_rank_takes_the_first_informative_groups_in_round_order():
         return _round(rounds[r], tag=r, width=3 + r)  # later rounds are wider: padded on the way
 
     acc = MetricAccumulator()
-    out = dyn.collect(_round(rounds[0], tag=0), acc, more=more)
+    out = _collect(dyn, _round(rounds[0], tag=0), acc, more)
     assert asked == [1, 2]
     assert len(out) == 3 * N and out.response_len == 5
     assert out["response_ids"][:, :3].tolist() == [[0, 1, 0], [0, 1, 1], [0, 3, 0], [0, 3, 1], [2, 0, 0], [2, 0, 1]]
@@ -79,12 +88,12 @@ def test_rounds_run_out_like_verl_and_zero_means_no_limit():
                           pad_token_id=0)
     with pytest.raises(ValueError, match=r"0 of data.train_batch_size=2 groups .* after algo.max_sample_rounds=3 "
                                          r"rounds \(6 groups had all rollout.n=2 scores equal\)"):
-        dyn.collect(_round(dull, tag=0), MetricAccumulator(), more=lambda r: _round(dull, tag=r))
+        _collect(dyn, _round(dull, tag=0), MetricAccumulator(), lambda r: _round(dull, tag=r))
     unlimited = DynamicSampling(train_batch_size=2, n=N, max_rounds=0, group=None, actor_dp=0, actor_dp_size=1,
                                 pad_token_id=0)
     good = [[1, 0], [0, 1]]
-    out = unlimited.collect(_round(dull, tag=0), acc := MetricAccumulator(),
-                            more=lambda r: _round(good if r == 12 else dull, tag=r))
+    out = _collect(unlimited, _round(dull, tag=0), acc := MetricAccumulator(),
+                   lambda r: _round(good if r == 12 else dull, tag=r))
     assert out.extras["sample"] == [1200, 1200, 1201, 1201] and acc.reduce()["batch/sample_rounds"] == 13
 
 
@@ -107,7 +116,7 @@ def _two_ranks_body(rank: int, world: int) -> dict:
         dyn = DynamicSampling(train_batch_size=4, n=N, max_rounds=3, group=None, actor_dp=dp, actor_dp_size=dp_size,
                               pad_token_id=0)
         acc = MetricAccumulator()
-        batch = dyn.collect(share(0), acc, more=share)
+        batch = _collect(dyn, share(0), acc, share)
         out[name] = (batch["response_ids"].tolist(), batch["group_index"].tolist(), acc.reduce())
     return out
 

@@ -12,7 +12,7 @@ import pytest
 from spmd_rl.config import (ActorConfig, Config, DataConfig, FsdpConfig, MegatronConfig, PoolsConfig, RewardConfig,
                             RewardModelConfig, RolloutConfig)
 from spmd_rl.distributed.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
-from spmd_rl.distributed.plan import plan
+from spmd_rl.plan import plan
 from spmd_rl.distributed.pools import PoolSpec, get_spec, gpu_of, member_of, plan_pools
 
 SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]

@@ -30,7 +30,7 @@ from conftest import HERE, REPO
 from spmd_rl.config import ActorConfig, FsdpConfig, LoraConfig, load_config
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.dims import FsdpLayout
-from spmd_rl.distributed.plan import plan
+from spmd_rl.plan import plan
 from spmd_rl.distributed.testing import run_distributed, run_program
 from spmd_rl.engine.fsdp import FSDPEngine
 from spmd_rl.engine.lora import FrozenBase, is_adapter_key

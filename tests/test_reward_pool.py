@@ -76,9 +76,9 @@ class FailsOnSeven:
 
 
 def _setup(reward_ranks: int, world_size: int):
-    from spmd_rl.distributed.plan import plan
+    from spmd_rl.plan import plan
     from spmd_rl.distributed.env import DistEnv
-    from spmd_rl.distributed.world import build_run_groups
+    from spmd_rl.world import build_run_groups
 
     env = DistEnv.from_environ().init(device="cpu")
     cfg = Config(pools=PoolsConfig(reward_ranks=reward_ranks), data=DataConfig(train_batch_size=2),

@@ -16,7 +16,7 @@ from typing import Any
 
 CRITIC_ESTIMATOR_NAMES = ("gae",)
 """The ``algo.adv_estimator`` values that need a critic's values (``objective.CRITIC_ESTIMATORS`` maps
-them to functions). Kept here, free of torch, for :func:`spmd_rl.distributed.plan.plan`."""
+them to functions). Kept here, free of torch, for :func:`spmd_rl.plan.plan`."""
 
 
 def __getattr__(name: str) -> Any:

@@ -6,7 +6,7 @@ Precedence is CLI flag > ``--config`` YAML > dataclass default::
     cfg = load_config(["--config", "configs/gsm8k.yaml", "--rollout.n", "16"])
 
 ``__post_init__`` only checks values that need no knowledge of the world; rules that depend on the
-number of processes live in :mod:`spmd_rl.distributed.plan` and run before any process group exists.
+number of processes live in :mod:`spmd_rl.plan` and run before any process group exists.
 Components receive the narrowest section they need (``cfg.rollout``, ``cfg.actor.fsdp``), never
 the root. The sections live in :mod:`.sections` and :mod:`.engines` (actor, ref), reading YAML and
 flags in :mod:`.loading`.

@@ -29,14 +29,28 @@ import pickle
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from spmd_rl.data.batch import RolloutBatch
-
 log = logging.getLogger("spmd_rl")
+
+Rows = TypeVar("Rows", bound="RowBatch")
+
+
+class RowBatch(Protocol):
+    """What :func:`relayout` moves: rows that go to a device, concatenate and select, as
+    :class:`spmd_rl.data.batch.RolloutBatch` does (named here, not imported: this layer is below it)."""
+
+    def __len__(self) -> int: ...
+
+    def to(self: Rows, device: torch.device) -> Rows: ...
+
+    def select(self: Rows, rows: range) -> Rows: ...
+
+    @staticmethod
+    def concat(parts: list[Any], pad_token_id: int) -> Any: ...
 
 class RankFailure(RuntimeError):
     """Raised on every rank of a group when any rank failed inside :func:`fail_together`."""
@@ -64,8 +78,8 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list
     return out
 
 
-def relayout(batch: RolloutBatch, *, src: tuple[int, int], dst: tuple[int, int],
-             group: dist.ProcessGroup | None, pad_token_id: int) -> RolloutBatch:
+def relayout(batch: Rows, *, src: tuple[int, int], dst: tuple[int, int],
+             group: dist.ProcessGroup | None, pad_token_id: int) -> Rows:
     """Re-lay rows owned by ``src`` = (dp rank, dp size) to the ``dst`` = (dp rank, dp size) layout.
 
     Rows are in global order when read rank by rank over the source data-parallel ranks; the
@@ -76,12 +90,12 @@ def relayout(batch: RolloutBatch, *, src: tuple[int, int], dst: tuple[int, int],
     if src == dst:
         return batch
     parts = all_gather_objects((src[0], batch.to(torch.device("cpu"))), group)
-    by_src: dict[int, RolloutBatch] = {}
+    by_src: dict[int, Rows] = {}
     for src_rank, part in parts:
         by_src.setdefault(src_rank, part)  # ranks sharing a source dp rank hold the same rows
     if sorted(by_src) != list(range(src[1])):
         raise RuntimeError(f"relayout: expected source dp ranks 0..{src[1] - 1}, got {sorted(by_src)}")
-    full = RolloutBatch.concat([by_src[r] for r in range(src[1])], pad_token_id)
+    full = type(batch).concat([by_src[r] for r in range(src[1])], pad_token_id)
     dst_rank, dst_size = dst
     if len(full) % dst_size:
         raise ValueError(f"relayout: {len(full)} rows do not split over {dst_size} data-parallel ranks")

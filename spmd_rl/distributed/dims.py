@@ -8,7 +8,7 @@ flag and the numbers, so every rule is testable for any world size in one proces
     UlyssesLayout(size=8, sp=2).coords(3)               # {'dp': 1, 'sp': 1}
     MegatronLayout(size=16, tp=2, pp=2).coords(5)       # tp=1, dp=2, pp=0, ...
 
-:func:`spmd_rl.distributed.plan.plan` validates all layouts of a run together.
+:func:`spmd_rl.plan.plan` validates all layouts of a run together.
 
 ``build()`` creates the real objects later. It is collective over the WHOLE world even for a pool
 that is a subset of it (``torch.distributed.new_group`` and ``DeviceMesh`` creation must be called

@@ -8,7 +8,7 @@
     ref = build_reference(actor, actor=cfg.actor, ref=cfg.ref, ...)   # the LoRA actor's base, or an engine
 
 Every engine implements :class:`~spmd_rl.engine.base.TrainEngine`. This table is the only place
-that tells the engines apart: :func:`spmd_rl.distributed.plan.plan` reads their layouts and rules
+that tells the engines apart: :func:`spmd_rl.plan.plan` reads their layouts and rules
 from it, the trainer builds the actor, the reference and the critic through :func:`build_engine`. The engine
 modules are imported only when built, so planning a layout needs neither FSDP nor megatron-core.
 
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from spmd_rl.engine.base import TrainEngine
 
     from spmd_rl.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, TeacherConfig
-    from spmd_rl.distributed.world import RunGroups
 
 Role = Literal["actor", "ref", "critic"]
 
@@ -48,8 +47,9 @@ class EngineSpec:
     """Which of them is the actor's batch view (an :class:`ActorLayout`)."""
     build: Callable[..., TrainEngine]
     """``build(role, *, actor, ref, model, seed, groups, model_folder, device, pad_token_id, total_updates,
-    critic=None)``; ``critic`` (the section) only for ``role="critic"``, whose ``model_folder`` is the
-    value model's."""
+    critic=None)``; ``groups``: the run's :class:`spmd_rl.world.RunGroups` (not imported here: the world
+    builds megatron's groups, so it sits above this registry); ``critic`` (the section) only for
+    ``role="critic"``, whose ``model_folder`` is the value model's."""
     critic: bool = False
     """It builds PPO's critic (``role="critic"``: a value model; ``algo.adv_estimator=gae``)."""
     export_copy: bool = False
@@ -76,7 +76,7 @@ def _megatron_layouts(actor: ActorConfig, size: int) -> dict[str, Any]:
     return {"megatron": MegatronLayout(size, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, etp=m.etp, vpp=m.vpp, order=m.order)}
 
 
-def _build_fsdp(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelConfig, seed: int, groups: RunGroups,
+def _build_fsdp(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelConfig, seed: int, groups: Any,
                 model_folder: str, device: torch.device, pad_token_id: int, total_updates: int,
                 critic: CriticConfig | None = None, moe_aux_coef: float = 0.0) -> TrainEngine:
     from spmd_rl.engine.fsdp import FSDPEngine
@@ -104,7 +104,7 @@ def critic_optimizer(actor: ActorConfig, critic: CriticConfig) -> ActorConfig:
 
 
 def _build_megatron(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelConfig, seed: int,
-                    groups: RunGroups, model_folder: str, device: torch.device, pad_token_id: int,
+                    groups: Any, model_folder: str, device: torch.device, pad_token_id: int,
                     total_updates: int, critic: CriticConfig | None = None, moe_aux_coef: float = 0.0) -> TrainEngine:
     from spmd_rl.engine.megatron import MegatronEngine  # actor and reference share megatron's groups
 

@@ -87,7 +87,7 @@ def _vllm_check(rollout: RolloutConfig) -> None:
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """One rollout backend: its constructor and what :func:`spmd_rl.distributed.plan.plan` must know."""
+    """One rollout backend: its constructor and what :func:`spmd_rl.plan.plan` must know."""
 
     factory: Callable[..., RolloutEngine]
     options: Callable[..., dict[str, Any]]

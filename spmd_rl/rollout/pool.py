@@ -131,7 +131,7 @@ class RolloutRoutes:
 
 
 def routes_of(plan: Any) -> RolloutRoutes:
-    """The routes of a :class:`~spmd_rl.distributed.plan.Plan` with a separate rollout pool."""
+    """The routes of a :class:`~spmd_rl.plan.Plan` with a separate rollout pool."""
     actor = plan.global_pool
     return RolloutRoutes(rollout=plan.rollout, rollout_pool=plan.rollout_pool, actor_pool=actor,
                          actor_dp=tuple(plan.dp_rank(k) for k in range(actor.size)))
@@ -152,7 +152,7 @@ class Round:
 class RolloutLink:
     """One rank's end of the link between the actor pool and the rollout pool.
 
-    Built on every rank of both pools (see :func:`spmd_rl.distributed.world.build_run_groups`);
+    Built on every rank of both pools (see :func:`spmd_rl.world.build_run_groups`);
     ``bridge`` is this rank's weight bridge (None on actor ranks that send no weights). Rounds are
     first in, first out: :meth:`issue` sends a round's command and prompts without waiting (the
     rollout pool may still be busy with earlier rounds), :meth:`take` receives the oldest round's

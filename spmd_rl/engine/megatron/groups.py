@@ -76,7 +76,7 @@ def init_model_parallel(layout: MegatronLayout, *, seed: int) -> None:
     if not ps.model_parallel_is_initialized() and layout.size != world:
         raise RuntimeError(
             f"megatron-core's groups for an actor pool of {layout.size} of the {world} ranks must be built on every "
-            f"rank of the world first (spmd_rl.distributed.world.build_run_groups does)")
+            f"rank of the world first (spmd_rl.world.build_run_groups does)")
     created = not ps.model_parallel_is_initialized()
     if not created:
         current = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
