@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from spmd_rl.engine.megatron.model import CausalSDPA
+from spmd_rl.engine.megatron.sdpa import CausalSDPA
 from spmd_rl.engine.megatron.vocab import _AllReduceSum
 
 

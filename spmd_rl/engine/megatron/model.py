@@ -12,7 +12,7 @@ Qwen3-MoE's routed experts (no shared expert) take Mixtral's path, with or witho
 top-k probabilities. :func:`transformer_config` sets
 dropout 0, no fused kernels and ``calculate_per_token_loss``. Two modules replace the local spec's:
 :class:`RMSNorm` (Hugging Face's fp32 math; marks its weight for sequence parallelism, which
-megatron's torch norm refuses) and :class:`CausalSDPA` (torch SDPA with ``is_causal`` as the core
+megatron's torch norm refuses) and :class:`~spmd_rl.engine.megatron.sdpa.CausalSDPA` (torch SDPA with ``is_causal`` as the core
 attention, instead of ``DotProductAttention``'s bf16 scores); with cp > 1 its context-parallel form
 :class:`~spmd_rl.engine.megatron.context.ContextParallelSDPA` (megatron-core's own context
 parallelism lives only in TransformerEngine's attention).
@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from spmd_rl.distributed.dims import MegatronLayout
+from spmd_rl.engine.megatron.context import ContextParallelSDPA
+from spmd_rl.engine.megatron.sdpa import CausalSDPA
 from spmd_rl.models import sliding_window
 
 
@@ -207,39 +209,6 @@ class RMSNorm(torch.nn.Module):
         return self.weight * x.to(dtype)
 
 
-class CausalSDPA(torch.nn.Module):
-    """megatron's core attention for this engine, where every row starts at column 0 and is padded
-    on the right, so attention is plain causal with no mask: torch's ``scaled_dot_product_attention``
-    (flash / memory-efficient kernels on GPU: fp32 score accumulation, no ``[b, h, s, s]`` tensor).
-
-    It replaces the local spec's ``DotProductAttention``, which forms the scores with a bf16
-    ``baddbmm`` before its fp32 softmax: on 2 H200s the engine's bf16 log-probs of a random 4-layer
-    model were 1.7e-3 (mean abs) from the FSDP engine's (flash attention) with it, 4.5e-5 with this.
-    Same constructor and call as megatron's core attention; q ``[s, b, h, d]``, k / v ``[s, b, g, d]``
-    -> ``[s, b, h * d]``, query groups shared natively (``enable_gqa``)."""
-
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str = "self",
-                 softmax_scale: float | None = None, **_: object) -> None:
-        super().__init__()
-        from megatron.core.transformer.enums import AttnMaskType
-
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"CausalSDPA serves causal self-attention only, got {attn_mask_type}")
-        self.config = config
-        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                attn_mask_type=None, attention_bias=None, packed_seq_params=None, **_: object) -> torch.Tensor:
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("CausalSDPA takes no attention mask, bias or packed sequences (the engine's rows "
-                             "are right-padded and causal)")
-        s, b, h, d = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                             enable_gqa=k.shape[1] != h)
-        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
-
-
 def build_chunks(spec: ModelSpec, layout: MegatronLayout, config, *, context_parallel: bool | None = None
                  ) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), weights uninitialised (loaded next).
@@ -268,8 +237,6 @@ def build_chunks(spec: ModelSpec, layout: MegatronLayout, config, *, context_par
         layer_spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
         layer_spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
     if context_parallel if context_parallel is not None else layout.cp > 1:
-        from spmd_rl.engine.megatron.context import ContextParallelSDPA
-
         layer_spec.submodules.self_attention.submodules.core_attention = ContextParallelSDPA
     else:
         layer_spec.submodules.self_attention.submodules.core_attention = CausalSDPA
