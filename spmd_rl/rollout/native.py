@@ -63,7 +63,7 @@ from .layers import Fused, unsupported_reason
 from .lengths import LengthDist, draw_lengths
 from .sampling import filter_logits, sample_next
 from .slots import free_bytes, size
-from .stream import Done, Feed, run_stream
+from .stream import Done, Feed, StreamEngine, run_stream
 
 log = logging.getLogger("spmd_rl")
 
@@ -224,7 +224,10 @@ class NativeRollout:
             raise ValueError(
                 f"data.max_prompt_length ({max_prompt_length}) + rollout.max_new_tokens ({max_new_tokens}) exceeds "
                 f"the model's max_position_embeddings ({self.max_positions}); lower one of them")
-        return run_stream(self, feed=feed, done=done, temperature=temperature, top_p=top_p, top_k=top_k,
+        engine = StreamEngine(device=self.device, batch_size=self.batch_size, eos=self._eos, fast=self._fast,
+                              generate_hf=self._generate_chunk_hf, length_dist=self.length_dist,
+                              min_new_tokens=self.min_new_tokens, token_delay_s=self.token_delay_s)
+        return run_stream(engine, feed=feed, done=done, temperature=temperature, top_p=top_p, top_k=top_k,
                           max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length, seed=seed, swap=swap,
                           swap_every=swap_every, look=look)
 

@@ -36,16 +36,33 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import torch
 
-from .lengths import draw_lengths
+from .lengths import LengthDist, draw_lengths
 
 if TYPE_CHECKING:
     from .fast import FastDecoder
-    from .native import NativeRollout
 
 Feed = Callable[[int], list[tuple[Hashable, list[int]]]]
 """``feed(k)``: at most ``k`` new rows, ``(key, prompt ids)``; never blocks (empty: none now)."""
 Done = Callable[[Hashable, torch.Tensor, torch.Tensor, torch.Tensor, bool], None]
 """``done(key, tokens, logprobs, swaps, truncated)``: a finished row, its response on the CPU."""
+
+
+@dataclass(frozen=True)
+class StreamEngine:
+    """What a stream runs on, handed over by the engine that owns it
+    (:meth:`~spmd_rl.rollout.native.NativeRollout.stream`): the fast decoder, or else the Hugging Face
+    loop's ``generate_hf(prompts, max_new_tokens=, limits=, interrupt=, **sampling)`` returning
+    ``tokens, mask, logprobs, truncated``; ``length_dist`` / ``min_new_tokens`` / ``token_delay_s``: the
+    benchmark workloads of :mod:`spmd_rl.rollout.native`."""
+
+    device: torch.device
+    batch_size: int
+    eos: torch.Tensor
+    fast: "FastDecoder | None"
+    generate_hf: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    length_dist: LengthDist = "model"
+    min_new_tokens: int = 1
+    token_delay_s: float = 0.0
 
 
 @dataclass
@@ -67,7 +84,7 @@ class _Row:
         return self.prompt + [t for piece in self.tokens for t in piece.tolist()]
 
 
-def run_stream(engine: "NativeRollout", *, feed: Feed, done: Done, temperature: float, top_p: float, top_k: int,
+def run_stream(engine: StreamEngine, *, feed: Feed, done: Done, temperature: float, top_p: float, top_k: int,
                max_new_tokens: int, max_prompt_length: int, seed: int, swap: Callable[[], bool] | None = None,
                swap_every: int = 32, look: Callable[[], None] | None = None) -> int:
     """The engine-level stream (see the module docstring); returns how many weight swaps happened."""
@@ -122,9 +139,9 @@ def run_stream(engine: "NativeRollout", *, feed: Feed, done: Done, temperature: 
     hook = interrupt if swap is not None or look is not None or engine.token_delay_s else None
     slots = max_prompt_length + max_new_tokens
     while True:
-        if engine._fast is not None:
-            live = stream_decode(engine._fast, feed=feed_rows, finish=finish, max_new_tokens=max_new_tokens,
-                                 slots=slots, eos=engine._eos, interrupt=hook, **sampling)
+        if engine.fast is not None:
+            live = stream_decode(engine.fast, feed=feed_rows, finish=finish, max_new_tokens=max_new_tokens,
+                                 slots=slots, eos=engine.eos, interrupt=hook, **sampling)
         else:
             live = _stream_waves(engine, feed=feed_rows, finish=finish, interrupt=hook, fired=fired, **sampling)
         if live is None:  # the feed is dry and no row is live
@@ -136,6 +153,83 @@ def run_stream(engine: "NativeRollout", *, feed: Feed, done: Done, temperature: 
         carry[:0] = [key for key, *_ in live]
 
 
+class _FastStream:
+    """The output rows (handles) of one fast-path stream: free, queued for a slot, or live, with each
+    one's key, prompt and limit; what :func:`stream_decode` pulls from the feed and hands back."""
+
+    def __init__(self, fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
+                 finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None], max_new_tokens: int,
+                 slots: int, eos: torch.Tensor) -> None:
+        self.fast, self.feed, self.finish, self.max_new_tokens, self.eos = fast, feed, finish, max_new_tokens, eos
+        self.cap = fast.buckets[-1]
+        handles = 2 * self.cap  # output rows: a finished row's is free once finish() copied it
+        fast._ensure_cache(self.cap, slots, handles)
+        self.keys: list[Any] = [None] * handles
+        self.prompts: list[list[int]] = [[] for _ in range(handles)]
+        self.limits = [1] * handles
+        self.free = list(range(handles))[::-1]
+        self.queue: list[int] = []  # handles waiting for a slot, popped from the end
+
+    def pull(self, k: int) -> None:
+        """Up to ``k`` new rows from the feed (as many as there are free handles), queued for a slot."""
+        new = self.feed(min(k, len(self.free)))
+        taken = [self.free.pop() for _ in new]
+        for h, (key, ids, limit) in zip(taken, new):
+            if not 1 <= limit <= self.max_new_tokens:
+                raise ValueError(f"stream: a row's limit {limit} is outside [1, {self.max_new_tokens}]")
+            self.keys[h], self.prompts[h], self.limits[h] = key, ids, limit
+        if taken:
+            self.fast._clear_outputs(torch.tensor(taken, device=self.fast.device))
+            self.queue[:0] = taken[::-1]
+
+    def fill(self, free_slots: list[int]) -> int:
+        """Queued rows prefilled into ``free_slots``; returns the highest write slot."""
+        return self.fast._fill(free_slots, self.queue, self.prompts, self.limits)
+
+    def _outputs(self, handles: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The tokens and log-probs so far of the rows in ``handles``, on the host."""
+        fast = self.fast
+        idx = torch.tensor(handles, device=fast.device)
+        tok, lp, mask = (t[idx].cpu() for t in (fast._out_tok, fast._out_lp, fast._out_mask))
+        lengths = [int(mask[i].sum()) for i in range(len(handles))]
+        return [(tok[i, :n].clone(), lp[i, :n].clone()) for i, n in enumerate(lengths)]
+
+    def harvest(self, handles: list[int]) -> None:
+        """Finished rows to ``finish``; their handles become free."""
+        eos_ids = set(self.eos.tolist())
+        for h, (tokens, logprobs) in zip(handles, self._outputs(handles)):
+            self.finish(self.keys[h], tokens, logprobs, len(tokens) == 0 or int(tokens[-1]) not in eos_ids)
+            self.keys[h] = None
+        self.free.extend(handles)
+
+    def check(self, cur: int, spare: int) -> tuple[list[int], list[int], int]:
+        """One host sync: which of the ``cur`` slots finished, whose rows they hold, the highest write
+        slot. The rows that ended since the last check are harvested and their slots point at ``spare``."""
+        fast = self.fast
+        state = torch.cat([fast._finished[:cur].long(), fast._row_of[:cur], fast._wpos[:cur].max()[None]]).tolist()
+        finished, row_of, top = state[:cur], state[cur:2 * cur], state[-1]
+        ended = [s for s in range(cur) if finished[s] and row_of[s] != spare]
+        if ended:
+            self.harvest([row_of[s] for s in ended])
+            fast._row_of[torch.tensor(ended, device=fast.device)] = spare
+        return finished, row_of, top
+
+    def grow(self, cur: int, n_live: int, finished: list[int], spare: int) -> int:
+        """Rows came after a compaction: the bucket that holds them; its new slots start finished
+        (appended to ``finished``) and pointing at ``spare``. Returns the new bucket."""
+        fast = self.fast
+        grown = fast.bucket(min(self.cap, n_live + len(self.queue)))
+        fast._finished[cur:grown] = True
+        fast._row_of[cur:grown] = spare
+        finished += [1] * (grown - cur)
+        return grown
+
+    def unfinished(self, live: list[int]) -> list[tuple[Hashable, torch.Tensor, torch.Tensor]]:
+        """``(key, tokens so far, logprobs)`` of the ``live`` handles, then of the queued ones (none)."""
+        out = [(self.keys[h], tokens, logprobs) for h, (tokens, logprobs) in zip(live, self._outputs(live))] if live else []
+        return out + [(self.keys[h], torch.zeros(0, dtype=torch.long), torch.zeros(0)) for h in self.queue[::-1]]
+
+
 def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
                   finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None], temperature: float,
                   top_k: int, top_p: float, max_new_tokens: int, slots: int, generator: torch.Generator,
@@ -145,90 +239,42 @@ def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hasha
     ``finish(key, tokens, logprobs, truncated)`` takes each finished one. Returns None when the feed
     is dry and no row is live, or, when ``interrupt(steps)`` said stop, the rows not finished:
     ``(key, tokens so far, logprobs)`` (queued ones with none)."""
-    cap = fast.buckets[-1]
-    handles = 2 * cap  # output rows: a finished row's is free once finish() copied it
-    fast._ensure_cache(cap, slots, handles)
+    rows = _FastStream(fast, feed=feed, finish=finish, max_new_tokens=max_new_tokens, slots=slots, eos=eos)
     spare = fast._start_call(temperature=temperature, eos=eos)
-    keys: list[Any] = [None] * handles
-    prompts: list[list[int]] = [[] for _ in range(handles)]
-    limits = [1] * handles
-    free = list(range(handles))[::-1]
-    queue: list[int] = []  # handles waiting for a slot, popped from the end
-
-    def pull(k: int) -> None:
-        new = feed(min(k, len(free)))
-        taken = [free.pop() for _ in new]
-        for h, (key, ids, limit) in zip(taken, new):
-            if not 1 <= limit <= max_new_tokens:
-                raise ValueError(f"stream: a row's limit {limit} is outside [1, {max_new_tokens}]")
-            keys[h], prompts[h], limits[h] = key, ids, limit
-        if taken:
-            fast._clear_outputs(torch.tensor(taken, device=fast.device))
-            queue[:0] = taken[::-1]
-
-    def harvest(handles_done: list[int]) -> None:
-        idx = torch.tensor(handles_done, device=fast.device)
-        tok, lp, mask = (t[idx].cpu() for t in (fast._out_tok, fast._out_lp, fast._out_mask))
-        eos_ids = set(eos.tolist())
-        for i, h in enumerate(handles_done):
-            n = int(mask[i].sum())
-            finish(keys[h], tok[i, :n].clone(), lp[i, :n].clone(), n == 0 or int(tok[i, n - 1]) not in eos_ids)
-            keys[h] = None
-        free.extend(handles_done)
-
-    cur = cap
-    pull(cur)
-    if not queue:
+    cur = rows.cap
+    rows.pull(cur)
+    if not rows.queue:
         return None
-    top = fast._fill(list(range(min(cur, len(queue)))), queue, prompts, limits)
+    top = rows.fill(list(range(min(cur, len(rows.queue)))))
     mode = fast.mode(temperature=temperature, top_k=top_k, top_p=top_p)
     span = fast.span(top + fast.check_every + 1)
-    step, stopped = 0, False
+    step = 0
     while True:
         fast._decode(cur, span, mode, generator)
         step += 1
         stopped = interrupt is not None and interrupt(step)
         if not stopped and step % fast.check_every:
             continue
-        # one host sync: which slots finished, whose rows they hold, the highest write slot
-        state = torch.cat([fast._finished[:cur].long(), fast._row_of[:cur], fast._wpos[:cur].max()[None]]).tolist()
-        finished, row_of, top = state[:cur], state[cur:2 * cur], state[-1]
-        ended = [s for s in range(cur) if finished[s] and row_of[s] != spare]
-        if ended:
-            harvest([row_of[s] for s in ended])
-            fast._row_of[torch.tensor(ended, device=fast.device)] = spare
+        finished, row_of, top = rows.check(cur, spare)
         if stopped:
-            live = [row_of[s] for s in range(cur) if not finished[s]]
-            out = []
-            if live:
-                idx = torch.tensor(live, device=fast.device)
-                tok, lp, mask = (t[idx].cpu() for t in (fast._out_tok, fast._out_lp, fast._out_mask))
-                for i, h in enumerate(live):
-                    n = int(mask[i].sum())
-                    out.append((keys[h], tok[i, :n].clone(), lp[i, :n].clone()))
-            out += [(keys[h], torch.zeros(0, dtype=torch.long), torch.zeros(0)) for h in queue[::-1]]
-            return out
+            return rows.unfinished([row_of[s] for s in range(cur) if not finished[s]])
         n_live = cur - sum(finished)
-        if not queue and n_live < cap:
-            pull(cap - n_live)
-        if queue and n_live + len(queue) > cur and cur < cap:  # rows came after a compaction: grow the bucket
-            grown = fast.bucket(min(cap, n_live + len(queue)))
-            fast._finished[cur:grown] = True
-            fast._row_of[cur:grown] = spare
-            finished += [1] * (grown - cur)
-            cur = grown
+        if not rows.queue and n_live < rows.cap:
+            rows.pull(rows.cap - n_live)
+        if rows.queue and n_live + len(rows.queue) > cur and cur < rows.cap:
+            cur = rows.grow(cur, n_live, finished, spare)
         free_slots = [s for s in range(cur) if finished[s]]
-        if queue and (n_live == 0 or len(free_slots) >= max(1, int(cur * fast.refill_fraction))):
-            top = max(top, fast._fill(free_slots[:len(queue)], queue, prompts, limits))
+        if rows.queue and (n_live == 0 or len(free_slots) >= max(1, int(cur * fast.refill_fraction))):
+            top = max(top, rows.fill(free_slots[:len(rows.queue)]))
             fast.refills += 1
-        elif not queue and n_live == 0:
+        elif not rows.queue and n_live == 0:
             return None
-        elif not queue and fast.bucket(n_live) < cur:
+        elif not rows.queue and fast.bucket(n_live) < cur:
             cur = fast._compact(cur, spare=spare)
         span = fast.span(top + fast.check_every + 1)
 
 
-def _stream_waves(engine: "NativeRollout", *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
+def _stream_waves(engine: StreamEngine, *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
                   finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None],
                   interrupt: Callable[[int], bool] | None, fired: list[bool],
                   **sampling) -> list[tuple[Hashable, torch.Tensor, torch.Tensor]] | None:
@@ -240,7 +286,7 @@ def _stream_waves(engine: "NativeRollout", *, feed: Callable[[int], list[tuple[H
         if not wave:
             return None
         limits = torch.tensor([limit for _, _, limit in wave])
-        tokens, mask, logprobs, truncated = (x.cpu() for x in engine._generate_chunk_hf(
+        tokens, mask, logprobs, truncated = (x.cpu() for x in engine.generate_hf(
             [ids for _, ids, _ in wave], max_new_tokens=int(limits.max()), limits=limits, interrupt=interrupt,
             **sampling))
         lengths, width = mask.sum(1).long().tolist(), tokens.shape[1]
@@ -255,4 +301,4 @@ def _stream_waves(engine: "NativeRollout", *, feed: Callable[[int], list[tuple[H
             return live
 
 
-__all__ = ["Done", "Feed", "run_stream", "stream_decode"]
+__all__ = ["Done", "Feed", "StreamEngine", "run_stream", "stream_decode"]
