@@ -107,11 +107,39 @@ class FastDecoder(SlotCache):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FastDecoder: {reason}")
-        config = model.config
         self.model = model
         self.inner = model.model
         self.layers = list(self.inner.layers)
         self.device = torch.device(device)
+        self._read_shape(model)
+        graphable = self._build_layer_functions(model.config, compile_layers)
+        self.buckets = batch_buckets(max_batch)
+        self.pad_token_id = int(pad_token_id)
+        self.prefill_tokens = prefill_tokens
+        self.use_graphs = self.device.type == "cuda" and graphable
+        self.check_every = 4 if self.use_graphs else 1
+        # full-length layers attend over each row's own entries (left padding skipped, nothing past its write
+        # slot read) with flash varlen or the Triton kernel where one runs; else masked SDPA over the step's span.
+        # Settable before a call (the benchmark compares them): "varlen", "triton" or "sdpa"
+        self.attention = attention_kind(dtype=self.inner.embed_tokens.weight.dtype, device=self.device,
+                                        heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        self.cache: torch.Tensor | None = None  # the full-length layers' K/V
+        self.ring: torch.Tensor | None = None  # the windowed layers' K/V (window-sized)
+        self._shape: tuple[int, int, int] | None = None  # (rows, slots, output rows) of the last cache, for restore()
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, span, greedy, top_k, top_p) -> the step
+        self._pool = None
+        self.compactions = 0  # how many times live rows moved to a smaller bucket (tests read it)
+        self.refills = 0  # how many times queued rows were prefilled into freed slots (tests read it)
+        self.steps = 0  # decode steps run (the benchmark reads it: tokens / (steps x slots) = occupancy)
+        # refill once this share of the bucket's slots is free (or none is live): fewer, larger prefills
+        self.refill_fraction = 1 / 16
+        # bytes the cache and buffers may take; None = what the device has free (CUDA), no check on CPU
+        self.memory_budget: int | None = None
+
+    def _read_shape(self, model: torch.nn.Module) -> None:
+        """The model's shape as the decode step needs it: heads, head size, vocabulary, family, each
+        layer's window and cache, each layer's RoPE table."""
+        config = model.config
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.group = self.heads // self.kv_heads
@@ -131,6 +159,10 @@ class FastDecoder(SlotCache):
         self.rope_keys = list(dict.fromkeys(keys))
         self.rope_of = [self.rope_keys.index(k) for k in keys]
         self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    def _build_layer_functions(self, config, compile_layers: bool) -> bool:
+        """The fused projections and the per-layer pure functions of the decode step (dense and / or
+        MoE MLP), compiled or not; returns whether the step can be captured in a CUDA graph."""
         self.qkv = [Fused((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)) for l in self.layers]
         self.experts = [getattr(l.mlp, "experts", None) for l in self.layers]  # Qwen3-MoE layers; None: dense
         self.gate_up = [None if e is not None else Fused((l.mlp.gate_proj, l.mlp.up_proj))
@@ -169,30 +201,9 @@ class FastDecoder(SlotCache):
         compile_moe = self.grouped_experts and moe.experts.gate_up_proj.dtype == torch.bfloat16
         self._step_out = {k: _DECODE.wrap(f) if compile_layers and (k != "moe" or compile_moe) else f
                           for k, f in outs.items()}
-        self.buckets = batch_buckets(max_batch)
-        self.pad_token_id = int(pad_token_id)
-        self.prefill_tokens = prefill_tokens
         # grouped_mm's kernel is capturable in bf16 only: other dtypes run a fallback that reads the
         # offsets on the host (measured: torch 2.11, H200), as the experts loop does
-        self.use_graphs = self.device.type == "cuda" and (moe is None or compile_moe)
-        self.check_every = 4 if self.use_graphs else 1
-        # full-length layers attend over each row's own entries (left padding skipped, nothing past its write
-        # slot read) with flash varlen or the Triton kernel where one runs; else masked SDPA over the step's span.
-        # Settable before a call (the benchmark compares them): "varlen", "triton" or "sdpa"
-        self.attention = attention_kind(dtype=self.inner.embed_tokens.weight.dtype, device=self.device,
-                                        heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim)
-        self.cache: torch.Tensor | None = None  # the full-length layers' K/V
-        self.ring: torch.Tensor | None = None  # the windowed layers' K/V (window-sized)
-        self._shape: tuple[int, int, int] | None = None  # (rows, slots, output rows) of the last cache, for restore()
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (rows, span, greedy, top_k, top_p) -> the step
-        self._pool = None
-        self.compactions = 0  # how many times live rows moved to a smaller bucket (tests read it)
-        self.refills = 0  # how many times queued rows were prefilled into freed slots (tests read it)
-        self.steps = 0  # decode steps run (the benchmark reads it: tokens / (steps x slots) = occupancy)
-        # refill once this share of the bucket's slots is free (or none is live): fewer, larger prefills
-        self.refill_fraction = 1 / 16
-        # bytes the cache and buffers may take; None = what the device has free (CUDA), no check on CPU
-        self.memory_budget: int | None = None
+        return moe is None or compile_moe
 
     @property
     def varlen(self) -> bool:
