@@ -78,7 +78,7 @@ def evaluate(cfg: Config, flags: EvalFlags, env: DistEnv) -> dict[str, float | i
     """Score this rank's share of the held-out prompts; every rank returns the same summary."""
     from spmd_rl.data.prompts import render_prompts
     from spmd_rl.data.tasks import columns_of
-    from spmd_rl.models import eos_token_ids, load_tokenizer, resolve_model_path
+    from spmd_rl.models import decode_responses, eos_token_ids, load_tokenizer, resolve_model_path
     from spmd_rl.passk import sample_metrics
     from spmd_rl.reward.registry import build_scorer
     from spmd_rl.rollout import build_rollout
@@ -116,9 +116,8 @@ def evaluate(cfg: Config, flags: EvalFlags, env: DistEnv) -> dict[str, float | i
             out = rollout.generate([prompt_ids[i] for i in mine], n=n, temperature=cfg.trainer.val_temperature,
                                    top_p=1.0, top_k=0, max_new_tokens=cfg.rollout.max_new_tokens,
                                    seed=cfg.trainer.seed)
-            responses = [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)]
             new_tokens = int(out.response_mask.sum().item())
-            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            texts = decode_responses(tokenizer, out.response_ids, out.response_mask)
             picked = [samples[i] for i in mine for _ in range(n)]  # prompt-major: n answers per prompt
             result = scorer([s.prompt for s in picked], texts, columns_of(picked))
             for row, (text, score, main, cut) in enumerate(zip(texts, result.scores, result.main_scores,

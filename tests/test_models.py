@@ -17,7 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from spmd_rl.models import (
-    build_char_tokenizer, eos_token_ids, load_causal_lm, load_tokenizer, model_flops_per_token, resolve_model_path,
+    build_char_tokenizer, decode_responses, eos_token_ids, load_causal_lm, load_tokenizer, model_flops_per_token,
+    resolve_model_path, response_tokens,
 )
 from spmd_rl.distributed import testing
 from spmd_rl.models import builtin
@@ -122,6 +123,16 @@ def test_eos_token_ids() -> None:
     assert eos_token_ids(tok) == [2, *ends]
     tok.eos_token = "<|im_end|>"  # EOS itself one of them: counted once; `</s>` is no longer an end
     assert eos_token_ids(tok) == ends
+
+
+def test_decode_responses_reads_the_masked_tokens_of_each_row() -> None:
+    """Only the ids under the mask, row by row; special tokens skipped in the text; no rows, no texts."""
+    tok = build_char_tokenizer()
+    ids = torch.tensor([tok("ab")["input_ids"] + [tok.eos_token_id, 0], tok("xyz")["input_ids"] + [0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert response_tokens(ids, mask) == [ids[0, :3].tolist(), ids[1, :2].tolist()]
+    assert decode_responses(tok, ids, mask) == ["ab", "xy"]
+    assert decode_responses(tok, ids[:0], mask[:0]) == []
 
 
 def test_chat_template_renders(tiny_folder: str) -> None:

@@ -3,6 +3,7 @@
     tok = load_tokenizer(folder)                 # pad token set, left padding for generation
     tok = build_char_tokenizer()                 # the `tiny-random` model's tokenizer
     eos = eos_token_ids(tok)                     # EOS and the chat formats' end-of-turn ids
+    texts = decode_responses(tok, ids, mask)     # [B, T] response ids + mask -> one string per row
 
 The character tokenizer maps each printable ASCII character (plus tab and newline) to one token,
 after a handful of special tokens. It is built with the `tokenizers` library (a BPE model with no
@@ -15,8 +16,12 @@ Jinja chat template, so prompts render exactly as they do for a real instruct mo
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    import torch
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
@@ -122,5 +127,17 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return sorted(ids)
 
 
-__all__ = ["CHAR_CHAT_TEMPLATE", "END_OF_TURN_TOKENS", "SPECIAL_TOKENS", "build_char_tokenizer", "eos_token_ids",
-           "load_tokenizer"]
+def response_tokens(ids: "torch.Tensor", mask: "torch.Tensor") -> list[list[int]]:
+    """Each row's response tokens: the ids of ``[B, T]`` ``ids`` where ``[B, T]`` ``mask`` is set."""
+    return [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
+
+
+def decode_responses(tokenizer: PreTrainedTokenizerBase, ids: "torch.Tensor", mask: "torch.Tensor") -> list[str]:
+    """Each row's response as text (special tokens skipped); no rows give no texts (``batch_decode``
+    of nothing gives one empty string)."""
+    tokens = response_tokens(ids, mask)
+    return tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokens else []
+
+
+__all__ = ["CHAR_CHAT_TEMPLATE", "END_OF_TURN_TOKENS", "SPECIAL_TOKENS", "build_char_tokenizer", "decode_responses",
+           "eos_token_ids", "load_tokenizer", "response_tokens"]
