@@ -79,7 +79,7 @@ def evaluate(cfg: Config, flags: EvalFlags, env: DistEnv) -> dict[str, float | i
     from spmd_rl.data.prompts import render_prompts
     from spmd_rl.data.tasks import columns_of
     from spmd_rl.models import decode_responses, eos_token_ids, load_tokenizer, resolve_model_path
-    from spmd_rl.passk import sample_metrics
+    from spmd_rl.passk import answer_metrics, is_correct
     from spmd_rl.reward.registry import build_scorer
     from spmd_rl.rollout import build_rollout
 
@@ -124,7 +124,7 @@ def evaluate(cfg: Config, flags: EvalFlags, env: DistEnv) -> dict[str, float | i
                                                                out.truncated.tolist())):
                 i = mine[row // n]
                 rows.append({"index": i, "sample": row % n, "prompt": samples[i].prompt, "completion": text,
-                             "score": float(score), "correct": bool(main >= 1.0 - 1e-6), "truncated": bool(cut)})
+                             "score": float(score), "correct": is_correct(main), "truncated": bool(cut)})
     rollout.close()
     gen_s = time.perf_counter() - start
     gathered = all_gather_objects((rows, new_tokens, gen_s), group)
@@ -135,9 +135,7 @@ def evaluate(cfg: Config, flags: EvalFlags, env: DistEnv) -> dict[str, float | i
         "model": cfg.model.path, "checkpoint": flags.from_checkpoint, "task": cfg.data.task,
         "path": cfg.data.val_path or cfg.data.path, "prompts": len({r["index"] for r in rows}), "dropped_too_long": dropped,
         "samples_per_prompt": cfg.trainer.val_n,
-        "accuracy": sum(r["correct"] for r in rows) / len(rows),
-        "score": sum(r["score"] for r in rows) / len(rows),
-        **sample_metrics((r["index"], r["correct"]) for r in rows),
+        **answer_metrics((r["index"], r["score"], r["correct"]) for r in rows),
         "truncated": sum(r["truncated"] for r in rows) / len(rows),
         "max_new_tokens": cfg.rollout.max_new_tokens, "temperature": cfg.trainer.val_temperature,
         "world_size": env.world_size, "setup_s": round(setup_s, 2), "generate_s": round(slowest, 2),

@@ -3,6 +3,8 @@
     pass_at_k(n=8, c=3, k=2)                      # 1 - C(5, 2) / C(8, 2) = 0.642...
     sample_metrics([(0, True), (0, False), (1, False), (1, False)], prefix="val/")   # (prompt, correct) per answer
     # {"val/pass@1": 0.25, "val/mean@1": 0.25, "val/pass@2": 0.5, "val/mean@2": 0.25}
+    answer_metrics([(0, 1.0, True), (0, 0.2, False)], prefix="val/")   # (prompt, score, correct) per answer
+    # {"val/score": 0.6, "val/accuracy": 0.5, "val/pass@1": 0.5, ...}: validation's and spmd_rl.evaluate's summary
 
 ``pass@k`` is the unbiased estimator of the chance that at least one of k answers is correct, from
 n >= k samples of which c are correct: ``1 - C(n - c, k) / C(n, k)`` (Chen et al. 2021), computed
@@ -21,7 +23,7 @@ from collections.abc import Iterable
 from fractions import Fraction
 from math import comb
 
-__all__ = ["ks_for", "pass_at_k", "sample_metrics"]
+__all__ = ["answer_metrics", "is_correct", "ks_for", "pass_at_k", "sample_metrics"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -56,3 +58,20 @@ def sample_metrics(answers: Iterable[tuple[int, bool]], *, prefix: str = "") -> 
         out[f"{prefix}pass@{k}"] = sum(values) / len(values)
         out[f"{prefix}mean@{k}"] = sum(means) / len(means)
     return out
+
+
+def is_correct(main_score: float) -> bool:
+    """An answer is correct when the task's main scorer gives it full marks (a format bonus is not
+    part of it)."""
+    return main_score >= 1.0 - 1e-6
+
+
+def answer_metrics(answers: Iterable[tuple[int, float, bool]], *, prefix: str = "") -> dict[str, float]:
+    """Mean score and accuracy over all answers, with pass@k and mean@k: (prompt id, score, correct)
+    per answer, at least one."""
+    answers = list(answers)
+    return {
+        f"{prefix}score": sum(s for _, s, _ in answers) / len(answers),
+        f"{prefix}accuracy": sum(ok for _, _, ok in answers) / len(answers),
+        **sample_metrics(((i, ok) for i, _, ok in answers), prefix=prefix),
+    }

@@ -1,6 +1,5 @@
 """The pieces of a trainer step that are not the trainer: where this rank's rows are in each layout
-(:class:`Placement`), the stage timer (:class:`StageTimer`), the rollout's seed per replica, and the
-rounds asynchronous GRPO keeps in flight (:class:`InFlight`).
+(:class:`Placement`) and the stage timer (:class:`StageTimer`).
 
     place = Placement.of(plan, pool_rank)         # rollout / actor dp coordinates, sum weight
     timer = StageTimer(step); with timer("gen"): ...   # seconds, profiler range, watchdog heartbeat
@@ -69,84 +68,4 @@ class Placement:
         return (rank, pool_size) if self.rollout_mp_size > 1 else (self.rollout_dp, self.rollout_dp_size)
 
 
-class InFlight:
-    """Asynchronous GRPO's rounds in flight: (step, prompt indices), oldest first. A checkpoint holds
-    them; a resumed run generates them again (with the resumed weights)."""
-
-    def __init__(self) -> None:
-        self.rounds: list[tuple[int, list[int]]] = []
-        self.restored: list[tuple[int, list[int]]] = []
-        self.next_step = 1
-
-    def add(self, step: int, indices: list[int]) -> None:
-        self.rounds.append((step, list(indices)))
-        self.next_step = step + 1
-
-    def pop(self) -> tuple[int, list[int]]:
-        return self.rounds.pop(0)
-
-    def reissue(self) -> list[tuple[int, list[int]]]:
-        """The rounds a resumed checkpoint held (to generate again); after them, new ones."""
-        out, self.restored = self.restored, []
-        return out
-
-    def state_dict(self) -> dict:
-        return {"rounds": [[step, *indices] for step, indices in self.rounds]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.restored = [(int(r[0]), [int(i) for i in r[1:]]) for r in state["rounds"]]
-
-
-class GroupsInFlight:
-    """``rollout.stream``: the prompts issued to the rollout pool and not trained on yet, by round
-    (``round -> {position: prompt index}``). A checkpoint holds them (the same format as
-    :class:`InFlight`: a round with the prompts it has left); a resumed run issues them again."""
-
-    def __init__(self) -> None:
-        self.rounds: dict[int, dict[int, int]] = {}
-        self.restored: list[tuple[int, list[int]]] = []
-        self.next_round = 1
-
-    @property
-    def outstanding(self) -> int:
-        """Prompts issued and not trained on (complete, generating, or waiting to start)."""
-        return sum(len(r) for r in self.rounds.values())
-
-    def add(self, round_: int, indices: list[int]) -> None:
-        self.rounds[round_] = dict(enumerate(indices))
-        self.next_round = max(self.next_round, round_ + 1)
-
-    def reserve(self) -> int:
-        """A new round's number (the controller, issuing the prompts of dropped groups again)."""
-        self.next_round += 1
-        return self.next_round - 1
-
-    def sample(self, round_: int, position: int) -> int:
-        return self.rounds[round_][position]
-
-    def take(self, groups: list[tuple[int, int]], dropped: list[tuple[int, int]],
-             reissued: list[tuple[int, list[int]]]) -> list[int]:
-        """The prompt indices of a step's complete ``groups``, which leave the flight with the
-        ``dropped`` (too stale) ones. ``reissued``: the rounds that issued the dropped prompts again,
-        registered first: a group of theirs can complete, and be among ``groups``, in the same take."""
-        for round_, indices in reissued:
-            self.add(round_, indices)
-        taken = [self.sample(*key) for key in groups]
-        for round_, position in groups + dropped:
-            del self.rounds[round_][position]
-            if not self.rounds[round_]:
-                del self.rounds[round_]
-        return taken
-
-    def reissue(self) -> list[tuple[int, list[int]]]:
-        out, self.restored = self.restored, []
-        return out
-
-    def state_dict(self) -> dict:
-        return {"rounds": [[r, *left.values()] for r, left in sorted(self.rounds.items())]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.restored = [(int(r[0]), [int(i) for i in r[1:]]) for r in state["rounds"]]
-
-
-__all__ = ["GroupsInFlight", "InFlight", "Placement", "StageTimer"]
+__all__ = ["Placement", "StageTimer"]

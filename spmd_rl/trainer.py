@@ -4,20 +4,17 @@
     trainer.fit()
 
 Rank 0 is the controller inside the same loop: it draws the step's prompts and logs. Everything
-else is symmetric. Per step:
+else is symmetric. The step's batch comes from one object, the batch source (:mod:`spmd_rl.source`),
+which the loop asks for the next batch and tells when the weights changed; which source a run has
+(colocated or pool rounds, rounds ahead, streamed groups, DAPO's extra rounds) the loop never asks.
+Per step:
 
-1. weight_sync  the rollout gets the actor's weights if it holds an older version: a hot-swap in
-                the same process, or a transfer to the rollout pool (``pools.rollout_ranks`` > 0);
-2. gen          rank 0 draws ``data.train_batch_size`` prompt indices and broadcasts them; each
-                rollout data-parallel replica generates ``rollout.n`` responses for its contiguous
-                share (colocated: on these ranks, then sleeps; else on the rollout pool, whose rows
-                come back already in the actor's layout);
-3. reward       each rank scores the responses it holds: rules, plus the reward model (colocated,
-                or a round trip to the reward pool when ``pools.reward_ranks`` > 0), plus DAPO's
-                overlong penalty (``reward.overlong_buffer``);
-4. relayout     rows move from the rollout's layout to the actor's data-parallel layout; with
-                ``algo.filter_groups`` (DAPO) stages 2-4 repeat with new prompts until the step holds
-                ``data.train_batch_size`` groups whose scores differ (:mod:`spmd_rl.algo.filtering`);
+1-4. batch      the source's stages: ``weight_sync`` and ``gen`` (the rollout gets the actor's weights
+                if it holds an older version; rank 0 draws ``data.train_batch_size`` prompts, the
+                rollout generates ``rollout.n`` responses each), ``reward`` (each rank scores the rows it
+                holds: rules, the reward model or the reward pool, DAPO's overlong penalty) and
+                ``relayout`` (to the actor's data-parallel layout); at max staleness S > 0 a
+                ``wait_rollout`` for rows generated while earlier updates ran instead;
 5. old_logprob  actor log-probs before the update, when the policy moves inside the step (several
                 optimizer steps per batch) or PPO's KL reward needs them; otherwise the update's own
                 log-probs, detached, are the old ones (also for the IS correction and stale samples);
@@ -29,9 +26,8 @@ else is symmetric. Per step:
 10. update      mini-batches x micro-batches with global token normalisation (spmd_rl.actor);
 11. critic_update  the critic's value loss, the same mini-batches (PPO with a critic only).
 
-With ``trainer.max_staleness`` S > 0 (a rollout pool) stages 1-2 become ``wait_rollout``: the step
-takes rows the pool generated while earlier updates ran (:mod:`spmd_rl.schedule`); after the update,
-``wait_weights`` sends the new weights and the schedule issues the next work.
+After the update the source hears of the new weights: at S > 0 ``wait_weights`` sends them to the
+rollout pool and more work is issued.
 
 Every stage runs under a timer (``timing_s/<stage>``), which is also a ``stage/<name>`` profiler
 range for ``trainer.profile_steps`` (:mod:`spmd_rl.profiling`). Metrics are accumulated locally and
@@ -44,16 +40,14 @@ the first step, every ``trainer.val_every`` steps and after the last.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from contextlib import nullcontext
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from spmd_rl.algo.filtering import DynamicSampling
 from spmd_rl.actor import ActorUpdate
+from spmd_rl.algo.filtering import DynamicSampling
 from spmd_rl.algo.objective import compute_advantages
 from spmd_rl.checkpoint import Checkpointer, checkpoint_bytes
 from spmd_rl.checkpoint_files import model_parameters
@@ -63,23 +57,23 @@ from spmd_rl.data import build_prompts
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.data.prompts import render_prompts
 from spmd_rl.data.sampler import PromptSampler
-from spmd_rl.distributed.comm import all_gather_objects, broadcast_object, fail_together, relayout
-from spmd_rl.distributed.env import DistEnv, format_rank_table
-from spmd_rl.plan import plan
-from spmd_rl.distributed.pools import GLOBAL
-from spmd_rl.world import RunGroups, build_run_groups
 from spmd_rl.distill import TeacherLink, check_tokenizers
+from spmd_rl.distributed.comm import all_gather_objects, fail_together
+from spmd_rl.distributed.env import DistEnv, format_rank_table
+from spmd_rl.distributed.pools import GLOBAL
 from spmd_rl.engine import build_engine, build_reference, build_teacher, engine_spec
 from spmd_rl.metrics import MetricAccumulator, NullSink, RunSink, grpo_step_flops, peak_flops, phase_mfu
 from spmd_rl.models import FlopsModel, eos_token_ids, load_tokenizer, resolve_model_path
-from spmd_rl.passk import sample_metrics
+from spmd_rl.models.tokenizer import decode_tokens
+from spmd_rl.passk import answer_metrics, is_correct
+from spmd_rl.plan import plan
 from spmd_rl.profiling import format_stage_times, profiled, stage_times
-from spmd_rl.reward import overlong_penalty
 from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout_from_config
-from spmd_rl.schedule import AsyncSchedule
-from spmd_rl.seeds import call_seed, engine_seed, replica_seed
+from spmd_rl.seeds import engine_seed
+from spmd_rl.source import ActorLayout, BatchSource, LocalRollout, PoolRollout, Scorer, StepPrompts, build_batch_source
 from spmd_rl.step import Placement, StageTimer
+from spmd_rl.world import RunGroups, build_run_groups
 
 log = logging.getLogger("spmd_rl")
 
@@ -107,30 +101,18 @@ class Trainer:
         self.mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
         self.updates_per_step = self.mini_batches * cfg.actor.ppo_epochs
         self._build_engines(groups)  # actor, reference, critic, teacher
-        self.link = groups.rollout_link  # the rollout pool (pools.rollout_ranks > 0), else None
-        self.rollout = None if self.link else build_rollout_from_config(
-            cfg.rollout, model_folder=self.model_folder, device=env.device, pad_token_id=self.pad_id,
-            eos_token_ids=self.eos_ids, trust_remote_code=cfg.model.trust_remote_code,
-            max_prompt_length=cfg.data.max_prompt_length, seed=engine_seed(cfg.trainer.seed, self.place.rollout_dp),
-            pool_groups=groups.rollout_pool_groups)
-        self.policy_version = self.rollout_version = 0  # actor updates so far / those the rollout holds
-        self.row_weight = 1.0  # what a row this rank holds counts in sums (< 1 where rows repeat over ranks)
-        self.staleness = cfg.trainer.max_staleness
-        if self.link is not None:  # the bounded queue between the pools: S + 1 training rounds and a validation one
-            self.link.max_in_flight = self.staleness + 2
-        self.schedule = self._async_schedule()
+        self.rollout = self._rollout(groups)  # the engine in this process, or the rollout pool's link
+        self.policy_version = 0  # actor updates so far
+        self.source = self._batch_source()
         self.flops = FlopsModel.from_config(self.actor.config)  # per-phase MFU from the real lengths
         self.actor_update = ActorUpdate(self.actor, cfg=cfg, mini_batches=self.mini_batches,
                                         sum_weight=self.place.sum_weight, group=self.group, device=env.device,
                                         temperature=self.temperature, logs_rollout_gap=self.logs_rollout_gap)
-        self.dynamic = DynamicSampling(  # DAPO: rounds until data.train_batch_size groups whose scores differ
-            train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n, max_rounds=cfg.algo.max_sample_rounds,
-            group=self.group, actor_dp=self.place.actor_dp, actor_dp_size=self.place.actor_dp_size,
-            pad_token_id=self.pad_id) if cfg.algo.filter_groups else None
         self.step = 0
+        in_flight = self.source.in_flight  # what a checkpoint holds of the rounds in flight (None: none ever are)
         self.checkpointer.track(model_folder=self.model_folder, export=self.actor.export_weights,
-                                actor=self.actor, sampler=self.sampler, optional=["in_flight"],  # none: nothing in flight
-                                **({"in_flight": self.schedule.in_flight} if self.schedule else {}),
+                                actor=self.actor, sampler=self.sampler, optional=["in_flight"],
+                                **({"in_flight": in_flight} if in_flight is not None else {}),
                                 **({"critic": self.critic.engine} if self.critic else {}))
         self.checkpointer.check_writable(checkpoint_bytes(  # before the first step, not at the first save
             model_parameters(self.model_folder) * (2 if self.critic else 1),
@@ -157,7 +139,7 @@ class Trainer:
         ran (``rollout/logprob_abs_diff``; ``async/logprob_abs_diff_fresh`` for the tokens the current
         weights sampled): where the IS correction or stale samples use the rollout's. The forward, when
         it runs, always logs them."""
-        return self.cfg.algo.rollout_is != "none" or self.staleness > 0
+        return self.cfg.algo.rollout_is != "none" or self.cfg.trainer.max_staleness > 0
 
     def _build_engines(self, groups: RunGroups) -> None:
         """The actor, the frozen reference (when a KL needs it; with LoRA the actor's own base), PPO's
@@ -175,14 +157,38 @@ class Trainer:
                                    sum_weight=self.place.sum_weight, group=self.group)
         self.teacher = self._teacher(groups)  # on-policy distillation (teacher.model.path)
 
-    def _async_schedule(self) -> AsyncSchedule | None:
-        """What is in flight between the pools when S > 0 (:mod:`spmd_rl.schedule`); None when synchronous."""
-        if not self.staleness:
-            return None
+    def _rollout(self, groups: RunGroups) -> LocalRollout | PoolRollout:
+        """The colocated rollout engine (taking turns on the device with the actor), or the link to the
+        rollout pool (``pools.rollout_ranks`` > 0), whose queue holds S + 1 training rounds and a
+        validation one."""
+        cfg, dtype = self.cfg, torch.bfloat16 if self.env.device.type == "cuda" else None
+        if groups.rollout_link is not None:
+            groups.rollout_link.max_in_flight = cfg.trainer.max_staleness + 2
+            return PoolRollout(groups.rollout_link, dtype=dtype, is_controller=self.env.is_main,
+                               pad_token_id=self.pad_id)
+        engine = build_rollout_from_config(
+            cfg.rollout, model_folder=self.model_folder, device=self.env.device, pad_token_id=self.pad_id,
+            eos_token_ids=self.eos_ids, trust_remote_code=cfg.model.trust_remote_code,
+            max_prompt_length=cfg.data.max_prompt_length, seed=engine_seed(cfg.trainer.seed, self.place.rollout_dp),
+            pool_groups=groups.rollout_pool_groups)
+        return LocalRollout(engine, place=self.place, sleep_level=cfg.rollout.sleep_level, dtype=dtype)
+
+    def _batch_source(self) -> BatchSource:
+        """Where each step's batch comes from (:mod:`spmd_rl.source`): synchronous rounds (with DAPO's
+        extra rounds under ``algo.filter_groups``), rounds ahead or streamed groups at max staleness S > 0."""
         cfg = self.cfg
-        return AsyncSchedule(self.link, group=self.group, staleness=self.staleness, stream=cfg.rollout.stream,
-                             total_steps=cfg.trainer.total_steps, batch_size=cfg.data.train_batch_size,
-                             pad_token_id=self.pad_id, draw=self.draw, prompts=self.prompts, sampling=self.sampling)
+        prompts = StepPrompts(self.sampler, self.train_ids, group=self.group, src=self.pool.spec.start,
+                              is_controller=self.env.is_main, rollout=cfg.rollout, seed=cfg.trainer.seed)
+        scorer = Scorer(self.reward, samples=self.train_samples, tokenizer=self.tokenizer, reward_cfg=cfg.reward,
+                        max_new_tokens=cfg.rollout.max_new_tokens)
+        dynamic = DynamicSampling(  # DAPO: rounds until data.train_batch_size groups whose scores differ
+            train_batch_size=cfg.data.train_batch_size, n=cfg.rollout.n, max_rounds=cfg.algo.max_sample_rounds,
+            group=self.group, actor_dp=self.place.actor_dp, actor_dp_size=self.place.actor_dp_size,
+            pad_token_id=self.pad_id) if cfg.algo.filter_groups else None
+        return build_batch_source(
+            self.rollout, staleness=cfg.trainer.max_staleness, stream=cfg.rollout.stream, dynamic=dynamic,
+            total_steps=cfg.trainer.total_steps, actor=self.actor, prompts=prompts, scorer=scorer,
+            layout=ActorLayout(self.place, self.pool.rank, self.pool.size, self.group, self.pad_id))
 
     def _teacher(self, groups: RunGroups):
         """The teacher's log-probs: a frozen FSDP engine on the actor's mesh, or the teacher pool's link."""
@@ -235,209 +241,64 @@ class Trainer:
         self.step = self.policy_version = self.checkpointer.resume()  # resumed weights: the rollout syncs first
         if cfg.val_every and self.step == 0:  # a resumed run validated this step before saving it
             self.sink.log(self.validate(), self.step)
-        if self.schedule is not None:  # what a checkpoint held in flight (generated again), then up to S + 1 rounds
-            self.sync_weights()
-            self.schedule.start(self.step)
+        self.source.start(self.step, self.policy_version)
         while self.step < cfg.total_steps:
             self.step += 1
             self.sink.step_started(self.step, self.env.device)
-            timer = StageTimer(self.step)
-            acc = MetricAccumulator()
-            trace = os.path.join(cfg.output_dir, "profile", f"step{self.step}_rank{self.env.rank}.json.gz")
-            profiling = profiled(self.env.device, trace) if self.step in cfg.profile_steps else nullcontext()
-            with profiling as prof, timer("step"):
-                if self.schedule is not None:  # rows generated while earlier updates ran
-                    with timer("wait_rollout"):
-                        batch = self.take(acc)
-                else:
-                    with timer("weight_sync"):
-                        self.sync_weights()
-                    with timer("gen"):
-                        batch = self.generate(acc)
-                batch = self.scored(batch, acc, timer)
-                if self.dynamic is not None:  # DAPO: more rounds until enough groups whose scores differ
-                    batch = self.dynamic.collect(batch, acc, more=partial(self.another_round, acc=acc, timer=timer))
-                with timer("old_logprob"):
-                    self.old_logprobs(batch, acc)
-                with timer("ref"):
-                    self.ref_logprobs(batch)
-                if self.teacher is not None:
-                    with timer("teacher"):
-                        self.teacher_logprobs(batch)
-                if self.critic is not None:
-                    with timer("values"):
-                        self.critic.values(batch)
-                with timer("adv"):
-                    self.advantages(batch, acc)
-                with timer("update"):
-                    self.update(batch, acc)
-                if self.critic is not None:
-                    with timer("critic_update"):
-                        self.critic.update(batch, acc)
-                if self.schedule is not None:  # new weights to the rollout pool, once it is done with its round
-                    with timer("wait_weights"):
-                        self.sync_weights()
-                    self.schedule.refill(self.step)
+            timer, acc = StageTimer(self.step), MetricAccumulator()
+            with self.profiled() as prof, timer("step"):
+                batch = self.source.next_batch(self.step, acc, timer)  # generated, scored, in the actor's layout
+                self.train_on(batch, acc, timer)
+                self.source.weights_changed(self.step, self.policy_version, timer)
             last = self.finish_step(batch, acc, timer)
-            if prof is not None and self.env.is_main:
-                log.info("step %d under torch.profiler (trace: %s):\n%s", self.step, trace,
-                         format_stage_times(stage_times(prof)))
-            if cfg.val_every and (self.step % cfg.val_every == 0 or self.step == cfg.total_steps):
-                val = self.validate()
-                self.sink.log(val, self.step)
-                last.update(val)
+            self.report_profile(prof)
+            last.update(self.maybe_validate())
             self.checkpointer.maybe_save(self.step)
         return last
 
+    def train_on(self, batch: RolloutBatch, acc: MetricAccumulator, timer: StageTimer) -> None:
+        """Stages 5-11 on the step's batch: log-probs, values, advantages, the updates."""
+        with timer("old_logprob"):
+            self.old_logprobs(batch, acc)
+        with timer("ref"):
+            self.ref_logprobs(batch)
+        if self.teacher is not None:
+            with timer("teacher"):
+                self.teacher_logprobs(batch)
+        if self.critic is not None:
+            with timer("values"):
+                self.critic.values(batch)
+        with timer("adv"):
+            self.advantages(batch, acc)
+        with timer("update"):
+            self.update(batch, acc)
+        if self.critic is not None:
+            with timer("critic_update"):
+                self.critic.update(batch, acc)
+
+    @property
+    def trace_path(self) -> str:
+        return os.path.join(self.cfg.trainer.output_dir, "profile", f"step{self.step}_rank{self.env.rank}.json.gz")
+
+    def profiled(self):
+        """The step under torch.profiler when it is one of ``trainer.profile_steps``."""
+        return profiled(self.env.device, self.trace_path) if self.step in self.cfg.trainer.profile_steps else nullcontext()
+
+    def report_profile(self, prof) -> None:
+        if prof is not None and self.env.is_main:
+            log.info("step %d under torch.profiler (trace: %s):\n%s", self.step, self.trace_path,
+                     format_stage_times(stage_times(prof)))
+
+    def maybe_validate(self) -> dict[str, float]:
+        """Validation every ``trainer.val_every`` steps and after the last."""
+        every, total = self.cfg.trainer.val_every, self.cfg.trainer.total_steps
+        if not every or (self.step % every and self.step != total):
+            return {}
+        val = self.validate()
+        self.sink.log(val, self.step)
+        return val
+
     # ================================================================== stages
-    def draw(self) -> list[int]:
-        """The next batch's prompt indices, drawn on rank 0 (every rank's sampler stays in step)."""
-        indices = broadcast_object(self.sampler.next_batch() if self.env.is_main else None,
-                                   src=self.pool.spec.start, group=self.group)
-        if not self.env.is_main:
-            self.sampler.next_batch()  # keep every rank's sampler in step, for checkpoints
-        return indices
-
-    def sampling(self, step: int, round_: int = 0) -> dict:
-        """``round_``: the step's round of prompts (> 0 only under ``algo.filter_groups``)."""
-        r = self.cfg.rollout
-        return dict(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                    seed=call_seed(self.cfg.trainer.seed, step, round_))  # + the replica's dp rank
-
-    def generate(self, acc: MetricAccumulator, round_: int = 0) -> RolloutBatch:
-        indices, sampling = self.draw(), self.sampling(self.step, round_)
-        if self.link is not None:  # the rollout pool generates; this rank's rows come back in the actor layout
-            rows, out = self.link.generate([self.train_ids[i] for i in indices] if self.env.is_main else None,
-                                           sampling, kind="train", num_prompts=len(indices), pad_token_id=self.pad_id)
-            return self.to_batch(indices, rows, out, acc)
-        dp, dp_size = self.place.rollout_dp, self.place.rollout_dp_size
-        per_rank = len(indices) // dp_size
-        mine = list(range(dp * per_rank, (dp + 1) * per_rank))
-        self.rollout.wake_up()
-        g = self.rollout.generate([self.train_ids[indices[i]] for i in mine], **{**sampling, "seed": replica_seed(sampling["seed"], dp)})
-        self.rollout.sleep(self.cfg.rollout.sleep_level)
-        out = {"response_ids": g.response_ids, "response_mask": g.response_mask, "logprobs": g.logprobs,
-               "truncated": g.truncated}
-        n = sampling["n"]
-        return self.to_batch(indices, (mine[0] * n, (mine[-1] + 1) * n), out, acc, weight=1.0)
-
-    def prompts(self, indices: list[int]) -> list[list[int]] | None:
-        """The token ids of training prompts, on the controller (the rank that sends them); None elsewhere."""
-        return [self.train_ids[i] for i in indices] if self.env.is_main else None
-
-    def take(self, acc: MetricAccumulator) -> RolloutBatch:
-        """Asynchronous GRPO: this step's rows from the rollout pool (:mod:`spmd_rl.schedule`), with their staleness."""
-        taken = self.schedule.take(self.step, self.policy_version)
-        batch = self.staleness_of(self.to_batch(taken.indices, taken.rows, taken.out, acc), taken.out, acc)
-        for name, value in taken.metrics.items():
-            acc.add_max(name, value)
-        return batch
-
-    def staleness_of(self, batch: RolloutBatch, out: dict, acc: MetricAccumulator) -> RolloutBatch:
-        """Per-token staleness (policy versions behind the weights this step updates) and its metrics."""
-        mask = batch["response_mask"].bool()
-        stale = (self.policy_version - out["versions"][mask]).float()
-        if stale.numel():
-            acc.add("async/staleness/mean", stale.mean().item(), stale.numel())
-            acc.add_max("async/staleness/max", stale.max().item())
-        for k in range(self.staleness + 1):  # tokens per policy version, by how far behind it is
-            acc.add_sum(f"async/tokens_staleness_{k}", float((stale == k).sum()) * self.row_weight)
-        batch["staleness"] = (self.policy_version - out["versions"]).masked_fill(~mask, -1)
-        versions = out["versions"].masked_fill(~mask, -1)
-        first = out["versions"].masked_fill(~mask, 1 << 62).min(1).values
-        for spans in (versions.max(1).values > first).tolist():  # rollout.partial: a row continued under newer weights
-            acc.add("async/partial_frac", float(spans))
-        return batch
-
-    def to_batch(self, indices: list[int], rows: tuple[int, int], out: dict, acc: MetricAccumulator, *,
-                 weight: float | None = None) -> RolloutBatch:
-        """The rows ``[start, end)`` of a step (prompt-major, ``rollout.n`` per prompt) as a batch,
-        with the response metrics. ``weight``: what each row counts in sums (default: this rank's
-        share of its actor dp group's rows)."""
-        n = self.cfg.rollout.n
-        positions = [row // n for row in range(*rows)]
-        batch = RolloutBatch(
-            prompts=[self.train_ids[indices[i]] for i in positions],
-            tensors={
-                "response_ids": out["response_ids"].cpu(),
-                "response_mask": out["response_mask"].float().cpu(),
-                "rollout_logprobs": out["logprobs"].float().cpu(),
-                "group_index": torch.tensor(positions, dtype=torch.long),
-                "truncated": out["truncated"].bool().cpu(),
-            },
-            extras={"sample": [indices[i] for i in positions]},
-        )
-        mp, mp_size = self.place.rollout_mp, self.place.rollout_mp_size
-        if mp_size > 1:  # every rank of the replica holds these rows: keep a share
-            share = len(batch) // mp_size
-            batch = batch.select(range(mp * share, (mp + 1) * share))
-        self.row_weight = self.place.sum_weight if weight is None else weight  # rows repeat over an actor dp group
-        lengths = batch["response_mask"].sum(1)
-        for length in lengths.tolist():
-            acc.add("response_length/mean", length)
-        acc.add_max("response_length/max", lengths.max().item())
-        acc.add_min("response_length/min", lengths.min().item())
-        for flag in batch["truncated"].tolist():
-            acc.add("response_length/clip_ratio", float(flag))
-        acc.add_sum("perf/gen_tokens", lengths.sum().item() * self.row_weight)
-        return batch
-
-    def sync_weights(self) -> None:
-        """Hot-swap: stream the actor's full tensors into the rollout engine (all ranks together), when
-        the rollout holds an older policy version or dropped its weights (a level-2 sleep). With a
-        rollout pool they travel to its ranks over the collective backend (spmd_rl.rollout.pool)."""
-        stale = self.rollout_version != self.policy_version
-        if not stale and (self.link is not None or not self.rollout.needs_weights):
-            return
-        dtype = torch.bfloat16 if self.env.device.type == "cuda" else None
-        if self.link is not None:
-            self.link.sync_weights(self.actor.named_full_tensors(dtype=dtype), self.policy_version)
-        else:
-            self.rollout.load_weights(self.actor.named_full_tensors(dtype=dtype))
-        self.rollout_version = self.policy_version
-
-    def another_round(self, round_: int, acc: MetricAccumulator, timer: StageTimer) -> RolloutBatch:
-        """``algo.filter_groups``: one more round of prompts for this step, generated and scored."""
-        with timer("weight_sync"):  # a no-op unless the rollout dropped its weights when it slept (level 2)
-            self.sync_weights()
-        with timer("gen"):
-            batch = self.generate(acc, round_)
-        return self.scored(batch, acc, timer)
-
-    def scored(self, batch: RolloutBatch, acc: MetricAccumulator, timer: StageTimer) -> RolloutBatch:
-        """A round's rows scored and moved to the actor's data-parallel layout."""
-        with timer("reward"):
-            self.score(batch, acc)
-        with timer("relayout"):
-            return relayout(batch, src=self.place.rollout_source(self.pool.rank, self.pool.size),
-                            dst=(self.place.actor_dp, self.place.actor_dp_size), group=self.group,
-                            pad_token_id=self.pad_id)
-
-    def score(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
-        samples = [self.train_samples[i] for i in batch.extras["sample"]]
-        responses = [ids[mask.bool()].tolist() for ids, mask in zip(batch["response_ids"], batch["response_mask"])]
-        completions = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        result = self.reward(samples, completions, batch.prompts, responses)
-        scores = torch.tensor(result.scores, dtype=torch.float32)
-        r = self.cfg.reward
-        if r.overlong_buffer:  # DAPO's soft overlong punishment, part of the score the advantages see
-            penalty = overlong_penalty(batch["response_mask"].sum(1), max_len=self.cfg.rollout.max_new_tokens,
-                                       buffer=r.overlong_buffer, factor=r.overlong_factor)
-            scores = scores + penalty
-            for p in penalty.tolist():
-                acc.add("reward/overlong_penalty/mean", p)
-        batch["scores"] = scores
-        batch.extras["completion"] = completions
-        for s in scores.tolist():
-            acc.add("critic/score/mean", s)
-        acc.add_max("critic/score/max", scores.max().item())
-        acc.add_min("critic/score/min", scores.min().item())
-        acc.add_sum("reward/errors", result.num_errors * self.row_weight)
-        if result.model_scores is not None:  # the two parts of critic/score: rule + weight * model
-            for total, model in zip(result.scores, result.model_scores):
-                acc.add("reward/model_score/mean", model)
-                acc.add("reward/rule_score/mean", total - self.cfg.reward.model.weight * model)
-
     def old_logprobs(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
         # With a single optimizer step per batch the update's own log-probs (detached) are the old ones:
         # ratio == 1 exactly, and a whole forward pass is saved (see need_old_logprobs).
@@ -520,57 +381,20 @@ class Trainer:
         mean score and accuracy over all answers, pass@k and mean@k (spmd_rl.passk)."""
         if not self.val_samples:
             return {}
-        self.sync_weights()
-        n = self.cfg.trainer.val_n
-        sampling = dict(n=n, temperature=self.cfg.trainer.val_temperature, top_p=1.0, top_k=0,
+        self.rollout.sync(self.actor, self.policy_version)
+        sampling = dict(n=self.cfg.trainer.val_n, temperature=self.cfg.trainer.val_temperature, top_p=1.0, top_k=0,
                         max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)
-        if self.link is not None:  # each actor rank gets an even share of the answers, scored once
-            self.link.issue(self.val_ids if self.env.is_main else None, sampling, kind="val",
-                            num_prompts=len(self.val_ids), pad_token_id=self.pad_id)
-            (start, end), out = self.link.take(last=True)  # after the training rounds in flight
-            mine = [row // n for row in range(start, end)]  # the prompt of each row (prompt-major, n each)
-            prompt_ids = [self.val_ids[i] for i in mine]
-            responses = [ids[mask.bool()].tolist() for ids, mask in zip(out["response_ids"], out["response_mask"])]
-        else:
-            mine, prompt_ids, responses = self._validate_colocated(sampling)
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True) if responses else []  # [] -> ['']
+        mine, prompt_ids, responses = self.rollout.answers(self.val_ids, sampling)
+        texts = decode_tokens(self.tokenizer, responses)
         # every rank scores, also with no prompts: scoring is collective (fail_together, reward model)
         result = self.reward([self.val_samples[i] for i in mine], texts, prompt_ids, responses)
-        results = [(i, float(s), m >= 1.0 - 1e-6) for i, s, m in zip(mine, result.scores, result.main_scores)]
-        gathered = [r for part in all_gather_objects(results, self.group) for r in part]
-        return {
-            "val/score": sum(s for _, s, _ in gathered) / len(gathered),
-            "val/accuracy": sum(ok for _, _, ok in gathered) / len(gathered),
-            **sample_metrics(((i, ok) for i, _, ok in gathered), prefix="val/"),
-        }
-
-    def _validate_colocated(self, sampling: dict) -> tuple[list[int], list[list[int]], list[list[int]]]:
-        """This rank's validation answers on the colocated rollout, with each one's prompt (index, ids)."""
-        dp, mp, mp_size = self.place.rollout_dp, self.place.rollout_mp, self.place.rollout_mp_size
-        share = math.ceil(len(self.val_samples) / self.place.rollout_dp_size)
-        mine = list(range(dp * share, min((dp + 1) * share, len(self.val_samples))))
-        self.rollout.wake_up()
-        prompt_ids = [self.val_ids[i] for i in mine]
-        responses: list[list[int]] = []
-        if mine:
-            out = self.rollout.generate(prompt_ids, **sampling)
-            responses = [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)]
-            mine = [i for i in mine for _ in range(sampling["n"])]  # prompt-major: n answers per prompt
-            prompt_ids = [self.val_ids[i] for i in mine]
-        self.rollout.sleep(self.cfg.rollout.sleep_level)
-        if mp_size > 1:  # the replica's ranks got the same answers: each scores a share of the rows
-            part = math.ceil(len(mine) / mp_size)
-            keep = range(mp * part, min((mp + 1) * part, len(mine)))
-            mine, prompt_ids, responses = ([xs[i] for i in keep] for xs in (mine, prompt_ids, responses))
-        return mine, prompt_ids, responses
+        answers = [(i, float(s), is_correct(m)) for i, s, m in zip(mine, result.scores, result.main_scores)]
+        return answer_metrics([a for part in all_gather_objects(answers, self.group) for a in part], prefix="val/")
 
     def close(self, error: str | None = None) -> None:
         """End the run's resources; serving pools are told to stop (or to abort with ``error``)."""
         self.sink.close()
-        if self.link is not None:
-            self.link.close(error)
-        else:
-            self.rollout.close()
+        self.rollout.close(error)
         if isinstance(self.teacher, TeacherLink):
             self.teacher.close(error)
         self.checkpointer.close()  # releases the output folder's lock

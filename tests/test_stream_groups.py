@@ -82,7 +82,7 @@ def test_a_group_issued_again_can_complete_in_the_same_take() -> None:
     """The trainer's bookkeeping of streamed prompts: the controller drops a stale group and issues its
     prompt again as a new round; that round's group can complete and be taken before the take ends.
     Its prompt index is known then, and every taken or dropped group leaves the flight."""
-    from spmd_rl.step import GroupsInFlight
+    from spmd_rl.source import GroupsInFlight
 
     flight = GroupsInFlight()
     flight.add(1, [10, 11, 12])

@@ -1,9 +1,12 @@
 """DAPO's dynamic sampling (``algo.filter_groups``): rounds of prompts until a step holds
 ``data.train_batch_size`` groups whose scores differ.
 
-    sampler = DynamicSampling(train_batch_size=8, n=4, max_rounds=10, group=pool_group,
-                              actor_dp=dp, actor_dp_size=dp_size, pad_token_id=pad)
-    batch = sampler.collect(first_round, acc, more=lambda r: next_round(r))   # the step's batch
+    sampling = DynamicSampling(train_batch_size=8, n=4, max_rounds=10, group=pool_group,
+                               actor_dp=dp, actor_dp_size=dp_size, pad_token_id=pad)
+    chosen = sampling.begin()                  # one step's choice
+    while not chosen.add(round_batch):         # a round, scored, in the actor's layout
+        round_batch = ...                      # the caller generates round chosen.rounds
+    batch = chosen.finish(acc)                 # the step's batch
 
 A group whose ``rollout.n`` scores are all equal has zero advantage under every group estimator,
 so it adds nothing to the policy gradient (it only dilutes token-mean normalisation). Each round
@@ -23,7 +26,7 @@ contiguous ``train_batch_size * n / dp size`` rows, whole groups, with ``group_i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -73,32 +76,9 @@ class DynamicSampling:
                 scores += s
         return informative(scores, groups)
 
-    def collect(self, first: RolloutBatch, acc, *, more: Callable[[int], RolloutBatch]) -> RolloutBatch:
-        """Rounds from ``first`` (round 0) and ``more(r)`` (round r, scored, in the actor's layout) until
-        enough informative groups; this rank's rows of the step's batch. Logs ``batch/sample_rounds``
-        and ``batch/filtered_groups`` (groups dropped over all rounds: generated minus informative)."""
-        flags: list[dict[int, bool]] = []
-        kept: list[tuple[list[tuple[int, int]], RolloutBatch]] = []  # (row keys (round, group), rows) per round
-        batch = first
-        while True:
-            r = len(flags)
-            flags.append(self.round_flags(batch))
-            chosen = set(select(flags, self.need))
-            rows = [i for i, g in enumerate(batch["group_index"].tolist()) if (r, g) in chosen]
-            kept.append(([(r, int(batch["group_index"][i])) for i in rows], batch.select(rows)))
-            if len(chosen) >= self.need:
-                break
-            if self.max_rounds and r + 1 >= self.max_rounds:
-                dropped = sum(not f for fl in flags for f in fl.values())
-                raise ValueError(
-                    f"algo.filter_groups: {len(chosen)} of data.train_batch_size={self.need} groups with differing "
-                    f"scores after algo.max_sample_rounds={self.max_rounds} rounds ({dropped} groups had all "
-                    f"rollout.n={self.n} scores equal): the prompts are too easy or too hard for the policy; raise "
-                    f"--algo.max-sample-rounds (0 = no limit) or train without --algo.filter-groups")
-            batch = more(r + 1)
-        acc.add("batch/sample_rounds", float(len(flags)))  # the same on every rank: the mean is the value
-        acc.add("batch/filtered_groups", float(sum(not f for fl in flags for f in fl.values())))
-        return self.assemble(kept)
+    def begin(self) -> ChosenGroups:
+        """A step's choice, fed round by round."""
+        return ChosenGroups(self)
 
     def assemble(self, kept: list[tuple[list[tuple[int, int]], RolloutBatch]]) -> RolloutBatch:
         """This rank's share of the selected groups: every rank's kept rows gathered, ordered by (round,
@@ -122,4 +102,51 @@ class DynamicSampling:
         return full.select(range(self.dp * size, (self.dp + 1) * size))
 
 
-__all__ = ["DynamicSampling", "informative", "select"]
+class ChosenGroups:
+    """One step's rounds under ``algo.filter_groups``: :meth:`add` each round until it says the
+    step holds enough informative groups, then :meth:`finish`. Every rank adds the same rounds and
+    gets the same answers (the flags are gathered over the pool)."""
+
+    def __init__(self, sampling: DynamicSampling) -> None:
+        self.sampling = sampling
+        self.flags: list[dict[int, bool]] = []
+        self.kept: list[tuple[list[tuple[int, int]], RolloutBatch]] = []  # (row keys (round, group), rows) per round
+
+    @property
+    def rounds(self) -> int:
+        """Rounds added so far (the number of the next one)."""
+        return len(self.flags)
+
+    def add(self, batch: RolloutBatch) -> bool:
+        """Round :attr:`rounds`, scored and in the actor's layout: keep its informative groups; whether
+        the step holds ``data.train_batch_size`` of them. Raises once ``algo.max_sample_rounds`` rounds
+        (0 = no limit) were not enough."""
+        s, r = self.sampling, len(self.flags)
+        self.flags.append(s.round_flags(batch))
+        chosen = set(select(self.flags, s.need))
+        rows = [i for i, g in enumerate(batch["group_index"].tolist()) if (r, g) in chosen]
+        self.kept.append(([(r, int(batch["group_index"][i])) for i in rows], batch.select(rows)))
+        if len(chosen) >= s.need:
+            return True
+        if s.max_rounds and r + 1 >= s.max_rounds:
+            raise ValueError(
+                f"algo.filter_groups: {len(chosen)} of data.train_batch_size={s.need} groups with differing "
+                f"scores after algo.max_sample_rounds={s.max_rounds} rounds ({self.dropped} groups had all "
+                f"rollout.n={s.n} scores equal): the prompts are too easy or too hard for the policy; raise "
+                f"--algo.max-sample-rounds (0 = no limit) or train without --algo.filter-groups")
+        return False
+
+    @property
+    def dropped(self) -> int:
+        """Groups generated and not informative, over the rounds so far."""
+        return sum(not f for flags in self.flags for f in flags.values())
+
+    def finish(self, acc) -> RolloutBatch:
+        """This rank's rows of the step's batch; logs ``batch/sample_rounds`` and ``batch/filtered_groups``
+        (groups dropped over all rounds: generated minus informative)."""
+        acc.add("batch/sample_rounds", float(len(self.flags)))  # the same on every rank: the mean is the value
+        acc.add("batch/filtered_groups", float(self.dropped))
+        return self.sampling.assemble(self.kept)
+
+
+__all__ = ["ChosenGroups", "DynamicSampling", "informative", "select"]

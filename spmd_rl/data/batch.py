@@ -8,7 +8,6 @@ so group advantages are computed locally.
     batch = RolloutBatch.from_generation(out, group_index=..., pad_token_id=...)
     for micro in batch.split(8):
         inputs = micro.model_inputs(pad_token_id)   # left-padded prompt + right-padded response
-    texts = decode_responses(tokenizer, response_tokens(batch["response_ids"], batch["response_mask"]))
 """
 
 from __future__ import annotations
@@ -17,17 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-
-
-def response_tokens(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    """Each row's response token ids (``[B, T]`` ids, right-padded, and their 0/1 mask)."""
-    return [row[keep.bool()].tolist() for row, keep in zip(ids, mask)]
-
-
-def decode_responses(tokenizer: Any, tokens: list[list[int]]) -> list[str]:
-    """Responses' token ids (:func:`response_tokens`) as text, special tokens left out (what rewards
-    and validation read)."""
-    return tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokens else []  # [] would give ['']
 
 
 @dataclass

@@ -133,11 +133,15 @@ def response_tokens(ids: "torch.Tensor", mask: "torch.Tensor") -> list[list[int]
 
 
 def decode_responses(tokenizer: PreTrainedTokenizerBase, ids: "torch.Tensor", mask: "torch.Tensor") -> list[str]:
-    """Each row's response as text (special tokens skipped); no rows give no texts (``batch_decode``
+    """Each row's response as text (special tokens skipped)."""
+    return decode_tokens(tokenizer, response_tokens(ids, mask))
+
+
+def decode_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[list[int]]) -> list[str]:
+    """Responses' token lists as text (special tokens skipped); no rows give no texts (``batch_decode``
     of nothing gives one empty string)."""
-    tokens = response_tokens(ids, mask)
     return tokenizer.batch_decode(tokens, skip_special_tokens=True) if tokens else []
 
 
 __all__ = ["CHAR_CHAT_TEMPLATE", "END_OF_TURN_TOKENS", "SPECIAL_TOKENS", "build_char_tokenizer", "decode_responses",
-           "eos_token_ids", "load_tokenizer", "response_tokens"]
+           "decode_tokens", "eos_token_ids", "load_tokenizer", "response_tokens"]
