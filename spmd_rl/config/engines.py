@@ -26,8 +26,8 @@ class FsdpConfig:
     wrap_one_rank: bool = False
     """Wrap the model in FSDP2 on a one-rank pool too. Off, one rank runs the plain module and casts
     its fp32 weights to bf16 copies once per pass over the micro-batches, FSDP2's mixed precision
-    without its per-layer hooks and DTensors (`spmd_rl/engine/mixed.py`), bit for bit: a compiled
-    SmolLM2-135M update takes 0.097 s instead of 0.139 (1× H200, docs/PERF.md)."""
+    without its per-layer hooks and DTensors (`spmd_rl/engine/mixed.py`), bit for bit and faster
+    where the update is bound by launches (small models; docs/PERF.md)."""
     gather_once: bool = True
     """Where a shard spans one rank (`fsdp_size` 1, or a one-rank pool with `wrap_one_rank`), gather
     (and cast to bf16) the parameters once per pass over the micro-batches instead of per micro-batch
@@ -35,14 +35,13 @@ class FsdpConfig:
     of the model during the pass; no effect where shards span several ranks."""
     keep_logits_gib: float | None = None
     """Keep the log-prob head's raw logits from the forward for the backward when a micro-batch's take
-    at most this many GiB, instead of recomputing their GEMM chunk by chunk (~2 % of a 1.5B update's
-    time). None = 1/16 of the GPU's memory (0 on CPU); 0 = always recompute (the least memory)."""
+    at most this many GiB, instead of recomputing their GEMM chunk by chunk (a `2 N V H` GEMM).
+    None = 1/16 of the GPU's memory (0 on CPU); 0 = always recompute (the least memory)."""
     compile_layers: bool = False
     """`torch.compile` every decoder layer of the actor and reference models (in place: parameter
-    names and checkpoints unchanged). Fuses the norms, RoPE and SwiGLU: on one H200 the Qwen2-1.5B
-    update reaches 45.8 % MFU against ~33 % eager, with 77 instead of 95 GiB peak, and a Qwen2-0.5B
-    GRPO step takes 0.78 s against 1.04 (docs/PERF.md); the first steps pay the compilation (tens of
-    seconds), and a CPU run needs a C++ compiler."""
+    names and checkpoints unchanged). Fuses the norms, RoPE and SwiGLU, which raises the MFU of a
+    GPU-bound update and lowers its peak memory (docs/PERF.md); the first steps pay the compilation,
+    and a CPU run needs a C++ compiler."""
 
     def __post_init__(self) -> None:
         _check(self.fsdp_size == -1 or self.fsdp_size >= 1, f"actor.fsdp.fsdp_size must be -1 or >= 1, got {self.fsdp_size}")

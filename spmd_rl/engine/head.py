@@ -13,10 +13,9 @@ only ``[N]`` results; its backward recomputes each chunk's logits and writes the
 hidden states and of the head weight chunk by chunk. When the logits of all chunks fit in
 ``keep_bytes`` (``actor.fsdp.keep_logits_gib``, default 1/16 of the GPU's memory) or there is a
 single chunk, and a backward will run, the forward keeps them for the backward instead: no
-recomputed GEMM (2 N V H FLOPs, ~2 % of a 1.5B update), at the memory of the raw logits. The
-numbers are those of the plain path ``log_softmax(linear(h, W).float() / T)`` (the engine's former
-code), up to the order of float sums: logits are computed in the weight's dtype (bf16 under FSDP
-mixed precision), softmax in at least fp32.
+recomputed GEMM (2 N V H FLOPs), at the memory of the raw logits. The numbers are those of the
+plain path ``log_softmax(linear(h, W).float() / T)``, up to the order of float sums: logits are
+computed in the weight's dtype (bf16 under FSDP mixed precision), softmax in at least fp32.
 
 Gradients (``z = logits / T``, ``p = softmax(z)``, ``lse = logsumexp(z)``, ``H = lse - sum p z``):
 ``d logp_y / dz = onehot(y) - p`` and ``dH / dz = p * (lse - H - z)``; then ``dh = dz W / T``

@@ -3,8 +3,7 @@
 On a mesh of one rank FSDP2 shards nothing, yet it still runs its hooks around every layer, keeps
 the parameters as DTensors (so the optimizer step, the gradient norm and every parameter access go
 through DTensor dispatch) and casts the weights per layer. For a small model that costs more than
-the GPU's work: on one H200 the compiled update of 256 SmolLM2-135M responses takes 0.139 s under
-FSDP2 and 0.097 s on the plain module (docs/PERF.md, "One GPU without FSDP2"). So on one rank the engine keeps
+the GPU's work (docs/PERF.md, "SmolLM2-135M: a small model's update is bound by launches"). So on one rank the engine keeps
 the plain Hugging Face module (``actor.fsdp.wrap_one_rank`` restores FSDP there) and does what
 FSDP2's mixed precision does, once per pass over the micro-batches:
 

@@ -405,7 +405,7 @@ class NativeRollout:
 
         The freed memory goes back to torch's caching allocator, where the colocated actor's passes
         reuse it; the cache is not emptied to the driver, so the next rollout does not allocate afresh
-        (on the H200 that was ~0.3 s of a SmolLM2 step, docs/PERF.md). The released graphs' private
+        (docs/PERF.md, "Sleep / wake"). The released graphs' private
         pool stays reserved until torch empties its cache (it does so by itself before failing an
         allocation)."""
         if level not in (0, 1, 2):
