@@ -7,7 +7,7 @@
 Each run is ``torchrun --nproc-per-node 2 -m spmd_rl.train`` on the built-in tiny model, one GRPO
 step of 4 prompts, validation and the final checkpoint, and must exit 0. A run *aborts* when its output shows
 ``terminate called`` or torchrun reports a worker killed by SIGABRT (``Signal 6``): the exit-time
-abort of issue 20 (a gloo worker thread that outlived the interpreter's finalization); the same
+abort that :mod:`spmd_rl.distributed.process` prevents (a gloo worker thread that outlived the interpreter's finalization); the same
 race can also end in SIGSEGV (counted apart). The load is
 ``--load`` busy-loop processes beside the runs (the abort is a race, more frequent on a busy
 machine). Stops by itself: ``--runs`` runs, each killed after ``--run-timeout-s``, and no new run

@@ -68,13 +68,12 @@ moves; bf16 weights from the start (``dtype="auto"``) fail the same way.
 **TRL's attention.** TRL trains on left-padded prompts through transformers' stock SDPA attention
 with a padding mask, in which the padding of short prompts makes fully masked query rows. On an
 H200 torch picks its cuDNN attention for that mask, whose backward returned NaN gradients from
-finite inputs in this project's engine before it got its own attention (``docs/RESULTS.md``,
+finite inputs in this project's engine with stock SDPA (``docs/RESULTS.md``,
 "Non-finite gradients"). transformers' Trainer applies such a step (its norm clip does not catch
 NaN), and the next ``generate`` stops on NaN probabilities. So the TRL side
 turns torch's cuDNN attention off (``--trl-attention sdpa-no-cudnn``, the default; SDPA then takes
 its memory-efficient kernel), and counts the optimizer steps whose gradients were not finite
-(``trl/nonfinite_grad_steps`` in the summary line): none in 248 steps on an H200, where a run with
-cuDNN attention on had stopped at step 120 (docs/PERF.md).
+(``trl/nonfinite_grad_steps`` in the summary line; the runs: docs/results/HISTORY.md).
 ``--trl-attention sdpa`` keeps torch's choice, ``eager`` uses transformers' eager attention.
 
 **Why 64 x 4 completed no optimizer step in 100 s** (``per_device_train_batch_size=64,

@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="FsdpConfig.keep_logits_gib (default: automatic, 1/16 of the GPU; 0: recompute the head's logits)")
     p.add_argument("--eager-head", action="store_true", help="the log-prob head's eager chunk code, not the compiled one")
     p.add_argument("--hf-norm-rope", action="store_true",
-                   help="Hugging Face's RMSNorm and RoPE forwards (the engine's until 2026-12-02), not the fused "
+                   help="Hugging Face's RMSNorm and RoPE forwards, not the fused "
                    "ones (engine/norms.py, engine/attention.py's Rope)")
     p.add_argument("--reduce-every-micro-batch", action="store_true",
                    help="one GPU: reduce gradients after every micro-batch (the engine does it after the last only)")

@@ -143,7 +143,7 @@ class RolloutConfig:
     """Stream groups (a rollout pool with `trainer.max_staleness` > 0, built-in rollout): the rollout
     pool generates every issued prompt in one continuous batch and sends each group (a prompt's
     `rollout.n` responses) to the actor pool as soon as it is complete; a step trains on the next
-    `data.train_batch_size` complete groups, so a slow group no longer holds up the others. Groups
+    `data.train_batch_size` complete groups, so a slow group does not hold up the others. Groups
     more than S versions old when taken are dropped and their prompts generated again. Off: a step
     trains on whole rounds, generated in order."""
     length_dist: Literal["model", "lognormal", "uniform"] = "model"

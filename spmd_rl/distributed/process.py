@@ -11,7 +11,7 @@ reference, and the trainer, the pools, the meshes, module-level caches and any t
 them. Such a thread can drop the last reference to a Python tensor (a finished work's outputs)
 while the main thread finalizes the interpreter; it then takes the GIL, CPython ends it with
 ``pthread_exit``, the unwind meets a ``noexcept`` frame and the process aborts (``terminate called
-without an active exception``, SIGABRT, ~6 % of runs under load, successful ones included), and
+without an active exception``, SIGABRT, in some runs under load, successful ones included), and
 torchrun reports the abort as the root cause. Dropping every reference and joining the threads
 is not robust: references hide (caches, DeviceMesh registries, frames), and on an error path a
 group's destructor waits for its in-flight collective, which a dead peer never completes. So the

@@ -5,8 +5,8 @@ Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text): HF's math, the kernels' layout.
 
 Hugging Face's attention transposes q, k, v to ``[b, heads, s, d]`` right after the projections and
 applies RoPE there; the engine's attention (:func:`~spmd_rl.engine.ulysses.varlen_sdpa`) then wants
-``[tokens, heads, d]`` for torch's flash varlen kernel, so every layer paid for a transposed RoPE
-(strided, ~0.4 TB/s on the H200 even when compiled) and a copy back, forward and backward.
+``[tokens, heads, d]`` for torch's flash varlen kernel, so every layer would pay for a transposed RoPE
+(strided memory access, slow even when compiled) and a copy back, forward and backward.
 :func:`natural_layout_forward` applies the same RoPE (``x * cos + rotate_half(x) * sin``, in three kernels
 each way instead of HF's five and nine: :class:`Rope`) on the projections' own ``[b, s, heads, d]``
 layout and hands the attention function transposed *views*; its flash path then flattens them without

@@ -155,8 +155,8 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
         self.max_tokens_per_gpu = max_tokens_per_gpu
         # Attention is always our own function over the causal runs of each row (padding is a run of its
         # own): torch's flash varlen kernel on GPU, SDPA with the block-causal mask on CPU. Stock SDPA with
-        # a padding mask picked cuDNN attention on the H200, whose backward made NaN gradients at some
-        # batches (docs/RESULTS.md); its left padding also makes fully masked query rows.
+        # a padding mask can pick cuDNN attention on a GPU, whose backward can make NaN gradients
+        # (docs/RESULTS.md); its left padding also makes fully masked query rows.
         self.flash_varlen = self.on_gpu and ulysses.flash_varlen_available()
         ulysses.register_attention()
         if value_model:

@@ -88,8 +88,8 @@ class FSDPOffload:
         already lives in host memory. Idempotent.
 
         torch's allocator returns its cached blocks to the driver only when something moved: after
-        every phase that cost a 135M-parameter step ~25 ms plus the next phase's fresh allocations,
-        and within the process the allocator frees its cache itself before it fails an allocation.
+        every phase that would cost a small model's step a visible share of its time plus the next
+        phase's fresh allocations, and within the process the allocator frees its cache itself before it fails an allocation.
         A rollout that allocates outside it (vLLM waking up) empties the cache itself."""
         if not self.on_gpu:
             return

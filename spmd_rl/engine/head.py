@@ -28,8 +28,7 @@ Two ways to run the per-chunk vocabulary work, the same formulas:
 * fused (``fused=True``, the FSDP engine's choice on CUDA): :func:`chunk_stats` and
   :func:`chunk_grad` go through ``torch.compile``, so each is one or two kernels that read the
   bf16 logits straight from the GEMM and write only ``[chunk]`` statistics or the bf16 ``dz``; no
-  fp32 ``[chunk, V]`` tensor exists. On the H200 the eager version of this work was ~15 % of a
-  1.5B update step (docs/PERF.md).
+  fp32 ``[chunk, V]`` tensor exists.
 """
 
 from __future__ import annotations

@@ -202,7 +202,7 @@ class FastDecoder(SlotCache):
         self._step_out = {k: _DECODE.wrap(f) if compile_layers and (k != "moe" or compile_moe) else f
                           for k, f in outs.items()}
         # grouped_mm's kernel is capturable in bf16 only: other dtypes run a fallback that reads the
-        # offsets on the host (measured: torch 2.11, H200), as the experts loop does
+        # offsets on the host (torch 2.11), as the experts loop does
         return moe is None or compile_moe
 
     @property

@@ -13,7 +13,7 @@ a finished row's slot takes the next prompt's row, whichever round it belongs to
 GROUP (the ``n`` responses of one prompt) to the controller (global rank 0) the moment its last
 response ends. The controller receives groups in the order they complete, from whichever rollout
 rank sends first (a tagged receive from any source), and a step trains on the next
-``data.train_batch_size`` complete groups: a slow group no longer holds up the groups behind it.
+``data.train_batch_size`` complete groups: a slow group does not hold up the groups behind it.
 
 * **Bounded.** The trainer keeps at most (S + 1) x ``data.train_batch_size`` prompts issued and not
   trained on (``S = trainer.max_staleness``); ``async/queue_depth`` is the number of groups that
