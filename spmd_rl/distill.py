@@ -8,8 +8,8 @@ With ``algo.distill_coef > 0`` the actor's objective adds that coefficient times
 reverse KL(student || teacher) on the sampled tokens (:func:`spmd_rl.algo.objective.actor_objective`),
 logged as ``actor/distill_kl``. Teacher and student must share a tokenizer (:func:`check_tokenizers`).
 
-On its own pool, one round per step: the controller (global rank 0) sends ``score`` to every
-teacher rank; each actor data-parallel group's rows go (as tensors, once per group) to the teacher
+On its own pool (the teacher role on the service protocol, :mod:`spmd_rl.distributed.service`), one
+round per step: the controller (global rank 0) sends ``score`` to every teacher rank; each actor data-parallel group's rows go (as tensors, once per group) to the teacher
 ranks in even shares; each teacher rank runs the frozen FSDP model over its share (the engine
 agrees on the micro-batch count over the pool) and sends the log-probs back to every actor rank
 that holds those rows. A teacher rank that fails answers with its error; the actor ranks raise it.
@@ -17,22 +17,16 @@ that holds those rows. A teacher rank that fails answers with its error; the act
 
 from __future__ import annotations
 
-import logging
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.bridge import RowRoute, pack_prompts, recv_rows, send_rows, unpack_prompts
-from spmd_rl.distributed.comm import recv_object, send_object, split_even, tell_servers
+from spmd_rl.distributed.comm import split_even
 from spmd_rl.distributed.pools import PoolSpec
-
-log = logging.getLogger("spmd_rl")
-
-CONTROLLER = 0
+from spmd_rl.distributed.service import ServiceLink, ServiceServer
 
 ROW_SPEC = {"prompt_ids": (torch.long, 0), "prompt_lengths": (torch.long, 0), "response_ids": (torch.long, 0),
             "response_mask": (torch.float32, 0.0)}
@@ -77,21 +71,19 @@ class TeacherRoutes:
         return out
 
 
-class TeacherLink:
-    """One rank's end of the actor pool <-> teacher pool link (built on the ranks of both)."""
+class TeacherLink(ServiceLink):
+    """One rank's end of the actor pool <-> teacher pool link (built on the ranks of both): the teacher
+    role's client on :class:`~spmd_rl.distributed.service.ServiceLink`."""
 
     def __init__(self, *, routes: TeacherRoutes, close_timeout_s: float = 60.0) -> None:
+        super().__init__(role="teacher", clients=routes.actor_pool.ranks, servers=routes.teacher_pool.ranks,
+                         close_timeout_s=close_timeout_s)
         self.routes = routes
-        self.rank = dist.get_rank()
-        self.close_timeout_s = close_timeout_s
-        self._closed = False
 
     def logprobs(self, batch: RolloutBatch, *, temperature: float, num_rows: int) -> torch.Tensor:
         """Actor side, every actor rank: the teacher's log-probs of this rank's rows ``[B, T]``;
         ``num_rows``: the step's rows over all actor dp groups."""
-        if self.rank == CONTROLLER:
-            for r in self.routes.teacher_pool.ranks:
-                send_object(("score", {"num_rows": num_rows, "temperature": temperature}), r)
+        self.command("score", {"num_rows": num_rows, "temperature": temperature})
         mine = self.routes.actor_ranges(num_rows)
         send_rows(RowRoute(sources=mine, dests=self.routes.teacher_ranges(num_rows)), _pack(batch),
                   first_row=mine[self.rank][0])
@@ -100,49 +92,36 @@ class TeacherLink:
         width = batch["response_ids"].shape[1]
         return torch.nn.functional.pad(lp, (0, width - lp.shape[1])) if lp.shape[1] < width else lp[:, :width]
 
-    def close(self, error: str | None = None) -> None:
-        """The controller tells every teacher rank to stop, or to abort with ``error``."""
-        if not self._closed and self.rank == CONTROLLER:
-            tell_servers(self.routes.teacher_pool.ranks, error, timeout_s=self.close_timeout_s, role="teacher")
-        self._closed = True
 
-
-class TeacherServer:
-    """The loop of a teacher-pool rank: ``score`` rounds until ``stop`` or ``abort``."""
+class TeacherServer(ServiceServer):
+    """The loop of a teacher-pool rank (the teacher role's server on
+    :class:`~spmd_rl.distributed.service.ServiceServer`): ``score`` rounds until ``stop`` or ``abort``."""
 
     def __init__(self, *, link: TeacherLink, build: Any, micro_batch_size: int) -> None:
-        self.link, self.build, self.micro_batch_size = link, build, micro_batch_size
-        self.where = f"teacher rank {link.rank} ({socket.gethostname()})"
+        super().__init__(link)
+        self.link: TeacherLink = link
+        self.build, self.micro_batch_size = build, micro_batch_size
+        self.engine: Any = None
 
-    def serve(self) -> int:
-        engine, error = None, None
-        try:
-            engine = self.build()
-        except Exception as e:  # noqa: BLE001 - answered to the actor pool at its first round
-            error = f"{self.where}: loading the teacher failed: {type(e).__name__}: {e}"
-            log.exception("%s: loading the teacher failed", self.where)
-        routes = self.link.routes
-        while True:
-            _, (kind, payload) = recv_object(CONTROLLER)
-            if kind == "stop":
-                return 1 if error else 0
-            if kind == "abort":
-                log.error("%s: stopping, the trainer failed: %s", self.where, payload)
-                return 1
-            num_rows = payload["num_rows"]
-            mine = routes.teacher_ranges(num_rows)
-            rows = recv_rows(RowRoute(sources=routes.actor_ranges(num_rows), dests=mine), ROW_SPEC)
-            out: dict[str, torch.Tensor] = {}
-            if error is None:
-                try:
-                    lp, _ = engine.compute_logprobs(_unpack(rows), temperature=payload["temperature"],
-                                                    micro_batch_size=self.micro_batch_size)
-                    out = {"logprobs": lp.float().cpu()}
-                except Exception as e:  # noqa: BLE001 - the actor ranks raise it
-                    error = f"{self.where}: scoring failed: {type(e).__name__}: {e}"
-                    log.exception("%s: scoring failed", self.where)
-            send_rows(RowRoute(sources=mine, dests=routes.actor_ranges(num_rows)), out,
-                      first_row=mine[self.link.rank][0], error=error)
+    def setup(self) -> None:
+        self.engine = self.build()
+
+    def handle(self, kind: str, payload: Any) -> None:
+        if kind != "score":
+            return super().handle(kind, payload)
+        routes, num_rows = self.link.routes, payload["num_rows"]
+        mine = routes.teacher_ranges(num_rows)
+        rows = recv_rows(RowRoute(sources=routes.actor_ranges(num_rows), dests=mine), ROW_SPEC)
+        out: dict[str, torch.Tensor] = {}
+        if self.error is None:
+            try:
+                lp, _ = self.engine.compute_logprobs(_unpack(rows), temperature=payload["temperature"],
+                                                     micro_batch_size=self.micro_batch_size)
+                out = {"logprobs": lp.float().cpu()}
+            except Exception as e:  # noqa: BLE001 - the actor ranks raise it
+                self.fail("scoring", e)
+        send_rows(RowRoute(sources=mine, dests=routes.actor_ranges(num_rows)), out,
+                  first_row=mine[self.link.rank][0], error=self.error)
 
 
 __all__ = ["LOGPROB_SPEC", "ROW_SPEC", "TeacherLink", "TeacherRoutes", "TeacherServer", "check_tokenizers"]

@@ -3,9 +3,9 @@
 Also runs as a single process (``python -m spmd_rl.train``) and under ``srun`` (one task per GPU).
 Every process parses the same flags, validates the layout before any process group exists, joins
 the world and builds every pool's groups and meshes together. Then it runs the loop of its pool:
-the ``global`` pool's ranks the trainer, the ``reward`` pool's ranks (``pools.reward_ranks``) the
-reward-model server, until the trainer sends them ``stop`` (or ``abort`` with its error when it
-fails, so that no reward rank waits out the timeout).
+the ``global`` pool's ranks the trainer, the rollout, teacher and reward pools' ranks their server
+(:func:`spmd_rl.serve.serve_pool`), until the trainer sends them ``stop`` (or ``abort`` with its
+error when it fails, so that no serving rank waits out the timeout).
 
 A bad configuration exits with status 2 and its message, printed by rank 0 at once; the other ranks
 wait ``REPORT_GRACE_S`` before printing it themselves, so that none of them exits first and has
@@ -81,23 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     transformers.utils.logging.disable_progress_bar()
 
     groups = build_run_groups(run_plan, env, close_timeout_s=min(60.0, cfg.trainer.dist_timeout_s))
-    if groups.in_rollout_pool or groups.in_teacher_pool:
+    if groups.role != "trainer":  # a rollout, teacher or reward rank: its pool's server
         from spmd_rl.serve import serve_pool
 
         watchdog.beat(0, f"{groups.role} server", lockstep=False)  # checked for silence only: no steps
         try:
             return serve_pool(cfg, env, groups)
-        finally:
-            watchdog.stop()
-            env.shutdown()
-    if groups.in_reward_pool:
-        from spmd_rl.reward.server import serve_reward_pool
-
-        watchdog.beat(0, "reward server", lockstep=False)  # checked for silence only: a server has no steps
-        try:
-            return serve_reward_pool(rm=cfg.reward.model, cache_dir=cfg.model.cache_dir, device=env.device,
-                                     exchange=groups.exchange, group=groups.pools.get("reward").group,
-                                     mesh=groups.reward_mesh)
         finally:
             watchdog.stop()
             env.shutdown()
@@ -113,9 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         watchdog.stop()  # the loop is over: a rank closing (wandb upload) while the others have left is no stall
-        for other in (groups.exchange, groups.rollout_link, groups.teacher_link):
-            if other is not None:  # stop, or abort with the error
-                other.close(error)
+        for link in groups.links.values():  # stop, or abort with the error
+            link.close(error)
         if trainer is not None:
             trainer.close()
         env.shutdown()

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from spmd_rl.distributed.bridge import WeightBridge
-from spmd_rl.distributed.comm import PoolExchange
 from spmd_rl.distributed.env import DistEnv, gather_rank_table
 from spmd_rl.distributed.pools import GLOBAL, REWARD, ROLLOUT, TEACHER, Pools
 
@@ -30,7 +29,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from spmd_rl.distill import TeacherLink
+    from spmd_rl.distributed.service import ServiceLink
     from spmd_rl.plan import Plan
+    from spmd_rl.reward.server import RewardLink
     from spmd_rl.rollout.pool import RolloutLink
 
 
@@ -46,7 +47,7 @@ class RunGroups:
     """The actor's FSDP mesh over the global pool (None on reward ranks, or for the megatron engine)."""
     reward_mesh: DeviceMesh | None
     """The reward model's FSDP mesh over the reward pool (None without one, and on global ranks)."""
-    exchange: PoolExchange | None
+    exchange: RewardLink | None
     """Global pool (clients) <-> reward pool (servers); None without a reward pool."""
     sp_group: ProcessGroup | None = None
     """This rank's Ulysses sequence-parallel group (``actor.fsdp.ulysses_size`` > 1), else None."""
@@ -62,6 +63,13 @@ class RunGroups:
     rollout_pool_groups: Any = None
     """The rollout backend's process groups over the rollout's pool (``BackendSpec.pool_groups``), on
     that pool's ranks when it is not the whole world; else None."""
+
+    @property
+    def links(self) -> dict[str, ServiceLink]:
+        """This rank's ends of the links to the serving pools, by role (each on the service protocol,
+        :mod:`spmd_rl.distributed.service`)."""
+        links = {REWARD: self.exchange, ROLLOUT: self.rollout_link, TEACHER: self.teacher_link}
+        return {role: link for role, link in links.items() if link is not None}
 
     def _member(self, name: str) -> bool:
         pool = self.pools.get_optional(name)
@@ -110,7 +118,9 @@ def build_run_groups(plan: Plan, env: DistEnv, *, close_timeout_s: float = 60.0)
     if reward is not None:
         assert plan.reward_fsdp is not None
         reward_mesh = plan.reward_fsdp.build(device_type, start=reward.start)
-        exchange = PoolExchange(clients=plan.pool(GLOBAL).ranks, servers=reward.ranks, close_timeout_s=close_timeout_s)
+        from spmd_rl.reward.server import RewardLink
+
+        exchange = RewardLink(clients=plan.pool(GLOBAL).ranks, servers=reward.ranks, close_timeout_s=close_timeout_s)
     bridge, link = _weight_bridge(plan, env), None
     if plan.rollout_separate and (plan.pool(GLOBAL).contains(env.rank) or plan.pool(ROLLOUT).contains(env.rank)):
         from spmd_rl.rollout.pool import RolloutLink, routes_of

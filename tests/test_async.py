@@ -190,12 +190,12 @@ def test_a_staged_copy_that_does_not_fit_waits_for_its_load(caplog):
 
     from spmd_rl.rollout.pool import RolloutServer
 
-    server = RolloutServer.__new__(RolloutServer)  # only the fields _receive_staged reads
+    server = RolloutServer.__new__(RolloutServer)  # only the fields receive_staged reads
     server.where, server.staging_refused, server.weights_taken = "rollout rank 1", False, 0
     server.engine = SimpleNamespace(room_for_weights=lambda: "a staging copy of the weights needs 3.00 GiB")
     server.link = SimpleNamespace(bridge=SimpleNamespace(receive=lambda: pytest.fail("received a transfer")))
     with caplog.at_level("WARNING", logger="spmd_rl"):
-        assert server._receive_staged() is None and server._receive_staged() is None
+        assert server.receive_staged() is None and server.receive_staged() is None
     assert server.weights_taken == 0
     assert [r.getMessage() for r in caplog.records] == [
         "rollout rank 1: rollout.stage_weights: a staging copy of the weights needs 3.00 GiB; weights are received "

@@ -101,7 +101,7 @@ def pool_body(rank: int, world_size: int, reward_ranks: int, failure: str) -> di
                                 device=env.device, micro_batch_size=RM.micro_batch_size)
             return FailsOnSeven(model)
 
-        code = RewardServer(exchange=groups.exchange, group=groups.pools.get("reward").group, build=build).serve()
+        code = RewardServer(link=groups.exchange, group=groups.pools.get("reward").group, build=build).serve()
         return {"role": "reward", "code": code, "table": table}
     client = RemoteModelReward(groups.exchange)
     scores = [client.score(_rows(rank, r)) for r in range(2)]

@@ -41,8 +41,8 @@ def body(rank: int, world_size: int) -> dict:
         for round_, position, version in SENT:
             rows = [(j, tokens_of(round_, position, j), -torch.rand(3 + j), torch.full((3 + j,), version), j == 0)
                     for j in range(N)]
-            server._send_group(round_, position, rows)
-        server._send_error("rollout rank 2: generation failed: boom")
+            server.send_group(round_, position, rows)
+        server.send_error("rollout rank 2: generation failed: boom")
         settle(server.pending, block=True)
         return {}
     reissued = []

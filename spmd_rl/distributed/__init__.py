@@ -3,7 +3,8 @@
 ``env`` reads the launcher's environment and starts torch.distributed; ``pools`` carves the world
 into named rank ranges with their own process groups; ``dims`` holds the pure parallel layouts
 (FSDP/HSDP, Ulysses, Megatron, rollout); ``comm`` moves data between ranks and pools; ``bridge``
-moves rows and weights between pools; ``testing`` runs functions on N gloo CPU
+moves rows and weights between pools; ``service`` is the one protocol between the actor's pool and
+a serving pool (commands, stop / abort, errors relayed to every client); ``testing`` runs functions on N gloo CPU
 processes for tests. ``watchdog`` ends a run that stalls on a stopped or hung rank, naming it;
 ``process`` starts and ends a trainer process under its launcher (dies with torchrun's agent, exits
 without aborting).

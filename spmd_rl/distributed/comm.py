@@ -11,14 +11,10 @@ small Python objects (prompt indices, per-row metadata), the device backend for 
 A rank that raises while the others enter a collective would hang the job until the timeout;
 ``fail_together`` turns that into the same clear error on every rank of the group.
 
-Between pools, :class:`PoolExchange` carries rows from the ``global`` pool's ranks (clients) to a
-serving pool's ranks (servers, e.g. the reward pool) and results back, point to point over gloo::
-
-    ex = PoolExchange(clients=range(0, 3), servers=[3])
-    scores = ex.request(rows)          # client: rows split over the servers, results in row order
-    ex.close()                         # client: "stop" (or close(error=...) = "abort")
-    inbound = ex.receive()             # server: blocks (no busy wait) for every client's rows
-    ex.reply(inbound, {client: results})
+Between pools, small Python objects go point to point over gloo (:func:`send_object`,
+:func:`isend_object`, :func:`recv_object`); a serving pool's answer that is an error is raised as
+:class:`RemoteFailure`. The protocol between the actor's pool and a serving pool is
+:mod:`spmd_rl.distributed.service`.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import contextlib
 import logging
 import pickle
 import socket
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterator, Protocol, Sequence, TypeVar
 
@@ -132,7 +127,7 @@ def fail_together(*, group: dist.ProcessGroup | None = None, what: str) -> Itera
 
 
 class RemoteFailure(RuntimeError):
-    """A server rank of a :class:`PoolExchange` answered with an error, or stopped answering."""
+    """A rank of another pool answered with an error, or stopped answering."""
 
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(f"rank {rank}: {message}")
@@ -170,17 +165,6 @@ def recv_object(src: int | None = None) -> tuple[int, Any]:
     return sender, pickle.loads(payload.numpy().tobytes())
 
 
-def tell_servers(ranks: Sequence[int], error: str | None, *, timeout_s: float, role: str) -> None:
-    """Tell each serving rank of a pool to ``stop`` (``error`` None) or to ``abort`` with ``error``;
-    at most ``timeout_s`` per rank (a dead or busy one is skipped with a warning)."""
-    message = ("stop", None) if error is None else ("abort", error)
-    for r in ranks:
-        try:
-            send_object(message, r, timeout_s=timeout_s)
-        except RuntimeError as e:
-            log.warning("could not tell %s rank %d to %s: %s", role, r, message[0], e)
-
-
 def split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
     """``parts`` contiguous slices whose lengths differ by at most one (earlier ones longer)."""
     base, extra = divmod(len(items), parts)
@@ -190,138 +174,3 @@ def split_even(items: Sequence[Any], parts: int) -> list[list[Any]]:
         out.append(list(items[start:end]))
         start = end
     return out
-
-
-@dataclass
-class Inbound:
-    """What a server received in one exchange round."""
-
-    seq: int
-    rows: dict[int, list[Any]] = field(default_factory=dict)
-    """Rows by client global rank (clients that sent rows this round)."""
-    aborted: dict[int, str] = field(default_factory=dict)
-    """Clients that aborted, with their error message (the run is failing)."""
-    stopped: bool = False
-    """Every client said stop (the run ended normally) and none aborted."""
-
-
-class PoolExchange:
-    """Rows from client ranks to server ranks and one result per row back, point to point.
-
-    One round per :meth:`request`: every client sends each server one message (its rows split in
-    contiguous, near-equal slices, possibly empty); each server receives from every client in
-    arrival order (``recv`` from any source), computes, and answers every client; each client
-    reads the answers server by server and joins them in row order. A server waits in a blocking
-    gloo receive, which sleeps in the kernel rather than spinning. Collective-free: the clients'
-    and servers' own groups stay free for their work.
-
-    Ending: each client sends ``stop`` when done, or ``abort`` with its error in its exception
-    path (:meth:`close`); a server returns from :meth:`receive` at once on an abort, and with
-    ``stopped`` once every client has stopped. After an abort a server keeps answering late rows
-    with the error (``receive(drain=True)``) until every client is done, so that no client waits
-    on it. A server that fails answers with its error
-    instead of results, and the client raises :class:`RemoteFailure`. Waits are bounded by the
-    process group's timeout (``trainer.dist_timeout_s``); :meth:`close` by ``close_timeout_s``.
-    """
-
-    def __init__(self, *, clients: Sequence[int], servers: Sequence[int], close_timeout_s: float = 60.0) -> None:
-        self.clients = list(clients)
-        self.servers = list(servers)
-        if not self.clients or not self.servers or set(self.clients) & set(self.servers):
-            raise ValueError(f"PoolExchange needs disjoint, non-empty client {self.clients} and server {self.servers} ranks")
-        self.rank = dist.get_rank()
-        self.close_timeout_s = close_timeout_s
-        self.seq = 0
-        self._done: dict[int, str | None] = {}  # server side: client -> None (stop) or abort message
-        self._closed = False
-
-    # ------------------------------------------------------------------ client side
-    def request(self, rows: Sequence[Any]) -> list[Any]:
-        """Send ``rows`` to the servers; return one result per row, in order. Every client calls
-        this once per round (with possibly no rows). Raises :class:`RemoteFailure` after reading
-        every server's answer when any server failed."""
-        self.seq += 1
-        chunks = split_even(rows, len(self.servers))
-        for server, chunk in zip(self.servers, chunks):
-            try:
-                send_object(("rows", self.seq, chunk), server)
-            except RuntimeError as e:  # the server died or timed out
-                raise RemoteFailure(server, f"could not send the rows ({e})") from e
-        results: list[Any] = []
-        failures: list[RemoteFailure] = []
-        for server, chunk in zip(self.servers, chunks):
-            try:
-                _, (kind, seq, payload) = recv_object(server)
-            except RuntimeError as e:  # the server died or timed out: stop reading, nothing to sync with
-                raise RemoteFailure(server, f"no answer ({e})") from e
-            if kind == "error":
-                failures.append(RemoteFailure(server, str(payload)))
-            elif seq != self.seq or len(payload) != len(chunk):
-                raise RemoteFailure(server, f"answered round {seq} with {len(payload)} results; expected round "
-                                            f"{self.seq} with {len(chunk)}")
-            else:
-                results.extend(payload)
-        if failures:
-            raise failures[0]
-        return results
-
-    def close(self, error: str | None = None) -> None:
-        """Tell every server this client is done: ``stop``, or ``abort`` with ``error``. Waits at
-        most ``close_timeout_s`` per server (a dead or busy server is skipped with a warning);
-        calling it again does nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        message = ("stop", self.seq, None) if error is None else ("abort", self.seq, error)
-        for server in self.servers:
-            try:
-                send_object(message, server, timeout_s=self.close_timeout_s)
-            except RuntimeError as e:
-                log.warning("could not tell rank %d to %s: %s", server, message[0], e)
-
-    # ------------------------------------------------------------------ server side
-    def receive(self, *, drain: bool = False) -> Inbound:
-        """The next round: rows from every client that has not stopped. Returns early when a
-        client aborts. With ``drain`` (after an abort) returns after each single message, rows of
-        any round included, so that a late client can be answered at once."""
-        if not drain:
-            self.seq += 1
-        inbound = Inbound(seq=self.seq)
-        aborts = sum(m is not None for m in self._done.values())
-        while not self.all_done:
-            if not drain and (sum(m is not None for m in self._done.values()) > aborts
-                              or all(c in inbound.rows or c in self._done for c in self.clients)):
-                break
-            sender, (kind, seq, payload) = recv_object(None)
-            if sender not in self.clients:
-                raise RuntimeError(f"rank {sender} is not a client of this exchange (clients {self.clients})")
-            if kind == "rows":
-                if seq != self.seq and not drain:
-                    raise RuntimeError(f"rank {sender} sent round {seq} while this server is at round {self.seq}")
-                inbound.rows[sender] = payload
-            else:
-                self._done[sender] = payload if kind == "abort" else None
-            if drain:
-                break
-        inbound.aborted = {c: m for c, m in self._done.items() if m is not None}
-        inbound.stopped = not inbound.aborted and self.all_done
-        return inbound
-
-    @property
-    def all_done(self) -> bool:
-        """Every client has sent stop or abort."""
-        return len(self._done) == len(self.clients)
-
-    def reply(self, inbound: Inbound, results: dict[int, list[Any]]) -> None:
-        """Answer every client that sent rows this round with its results (one per row)."""
-        for client in sorted(inbound.rows):
-            send_object(("ok", inbound.seq, results[client]), client)
-
-    def reply_error(self, inbound: Inbound, message: str) -> None:
-        """Answer every client that sent rows this round with ``message`` instead of results.
-        A client that has gone away is skipped."""
-        for client in sorted(inbound.rows):
-            try:
-                send_object(("error", inbound.seq, message), client, timeout_s=self.close_timeout_s)
-            except RuntimeError as e:
-                log.warning("could not send the error to rank %d: %s", client, e)

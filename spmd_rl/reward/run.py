@@ -7,7 +7,7 @@
 
 Without ``reward.model.path`` this is the rule scorer alone (``reward.fn``). With it, the reward
 model scores every response: on the reward pool (``pools.reward_ranks`` > 0, through the run's
-:class:`~spmd_rl.distributed.comm.PoolExchange`) or colocated on the global pool (FSDP over the actor's
+:class:`~spmd_rl.reward.server.RewardLink`) or colocated on the global pool (FSDP over the actor's
 mesh). Scoring is collective over the global pool, so every rank calls it, with its own rows
 (possibly none); an error on any rank, or on the reward pool, stops every global rank.
 """
@@ -22,11 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from spmd_rl.config import RewardConfig
 from spmd_rl.data.tasks import columns_of
-from spmd_rl.distributed.comm import PoolExchange, fail_together
+from spmd_rl.distributed.comm import fail_together
 from spmd_rl.models import load_tokenizer
 from spmd_rl.reward.model import ColocatedModelReward, RewardInputs, RewardModel, resolve_reward_model
 from spmd_rl.reward.registry import Scorer, ScoreResult, build_scorer
-from spmd_rl.reward.server import RemoteModelReward
+from spmd_rl.reward.server import RemoteModelReward, RewardLink
 
 
 class ModelReward(Protocol):
@@ -69,7 +69,7 @@ class RunReward:
 
 
 def build_run_reward(*, reward: RewardConfig, task: str, system_prompt: str | None, actor_tokenizer: Any,
-                     group: dist.ProcessGroup | None, mesh: DeviceMesh | None, exchange: PoolExchange | None,
+                     group: dist.ProcessGroup | None, mesh: DeviceMesh | None, exchange: RewardLink | None,
                      device: torch.device, cache_dir: str | None) -> RunReward:
     """The run's reward for a global-pool rank: remote when ``exchange`` is given (a reward pool
     exists), else colocated over ``mesh`` when ``reward.model.path`` is set, else rules only."""

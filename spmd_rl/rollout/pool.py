@@ -1,13 +1,14 @@
 """The rollout on a pool of its own (``pools.rollout_ranks`` > 0): its ranks serve generation to the
 actor's pool, step by step, in lockstep with it.
 
-    # rollout-pool ranks (spmd_rl.train dispatches by pool membership)
-    code = serve_rollout_pool(engine, link)               # until the trainer says stop (0) or abort (1)
+    # rollout-pool ranks (spmd_rl.serve.serve_pool dispatches by pool membership)
+    code = RolloutServer(link=link, engine=engine, ...).serve()   # until the trainer says stop (0) or abort (1)
     # actor-pool ranks, inside the trainer's stages
     link.sync_weights(actor.named_full_tensors(dtype))    # weight_sync: every actor rank iterates
     rows = link.generate(prompt_ids, sampling, kind="train")   # gen: this actor rank's rows, as tensors
     link.close(error)                                     # stop, or abort with the error
 
+Both ends are the rollout role on the service protocol (:mod:`spmd_rl.distributed.service`).
 Everything that moves is a tensor (:mod:`spmd_rl.distributed.bridge`) except the controller's
 short commands (global rank 0 to every rollout rank: ``weights``, ``generate`` with the sampling
 settings, ``stop``, ``abort``). One ``generate`` round:
@@ -40,20 +41,19 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 
 from spmd_rl.distributed.bridge import (
     PROMPT_SPEC, RowRoute, TransferStats, WeightBridge, pack_prompts, recv_rows, send_rows, settle, unpack_prompts,
 )
-from spmd_rl.distributed.comm import isend_object, recv_object, split_even, tell_servers
+from spmd_rl.distributed.comm import split_even
 from spmd_rl.distributed.dims import RolloutLayout
 from spmd_rl.distributed.pools import PoolSpec
+from spmd_rl.distributed.service import ServiceLink, ServiceServer, store_count
 from spmd_rl.seeds import replica_seed
 
 log = logging.getLogger("spmd_rl")
@@ -67,13 +67,7 @@ COMMANDS_KEY = "spmd_rl/rollout/commands_sent"
 rank looks at it between decode steps: a look that never blocks)."""
 
 
-def _store():
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
-
-
-def _spec(pad_token_id: int) -> dict[str, tuple[torch.dtype, float]]:
+def response_spec(pad_token_id: int) -> dict[str, tuple[torch.dtype, float]]:
     """The response tensors a round routes, with their dtypes and pad values."""
     return {"response_ids": (torch.long, pad_token_id), "response_mask": (torch.float32, 0.0),
             "logprobs": (torch.float32, 0.0), "truncated": (torch.long, 0), "versions": (torch.long, -1),
@@ -149,8 +143,9 @@ class Round:
     """Received ahead of its turn (a later round was taken first)."""
 
 
-class RolloutLink:
-    """One rank's end of the link between the actor pool and the rollout pool.
+class RolloutLink(ServiceLink):
+    """One rank's end of the link between the actor pool and the rollout pool (the rollout role's
+    client on :class:`~spmd_rl.distributed.service.ServiceLink`).
 
     Built on every rank of both pools (see :func:`spmd_rl.world.build_run_groups`);
     ``bridge`` is this rank's weight bridge (None on actor ranks that send no weights). Rounds are
@@ -160,33 +155,24 @@ class RolloutLink:
     """
 
     def __init__(self, *, routes: RolloutRoutes, bridge: WeightBridge | None, close_timeout_s: float = 60.0) -> None:
+        super().__init__(role="rollout", clients=routes.actor_pool.ranks, servers=routes.rollout_pool.ranks,
+                         close_timeout_s=close_timeout_s, counter=COMMANDS_KEY)
         self.routes = routes
         self.bridge = bridge
-        self.close_timeout_s = close_timeout_s
-        self.rank = dist.get_rank()
-        self._closed = False
         self.last_transfer: TransferStats | None = None
         self.rounds: list[Round] = []  # the queue between the pools, oldest first
         self.max_in_flight: int | None = None  # its bound (the trainer's: S + 1 training rounds + a validation one)
-        self._pending: list = []  # sends not completed yet, with their buffers
         self.groups_received = 0  # rollout.stream: groups the controller took (spmd_rl.rollout.pool_stream)
         self.rollout_busy: dict[int, float] = {}  # rollout.stream: per rollout rank, its seconds generating so far
 
     @property
     def rollout_ranks(self) -> list[int]:
-        return self.routes.rollout_pool.ranks
+        return self.servers
 
     @property
     def in_flight(self) -> int:
         """Rounds issued and not taken back."""
         return len(self.rounds)
-
-    def _command(self, *message: Any) -> None:
-        if self.rank == CONTROLLER:
-            self._pending = settle(self._pending)
-            _store().add(COMMANDS_KEY, 1)
-            for r in self.rollout_ranks:
-                self._pending += isend_object(message, r)
 
     # ------------------------------------------------------------------ actor side
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -197,8 +183,8 @@ class RolloutLink:
             # Announced before the command is sent: a rollout rank in the middle of a round that sees the
             # count receives the commands up to it, which completes the sends of rounds issued since (their
             # prompts), the sends this rank settles before it sends the command.
-            _store().add(WEIGHTS_KEY, 1)
-        self._command("weights", version)
+            store_count(WEIGHTS_KEY, 1)
+        self.command("weights", version)
         if self.bridge is not None:
             self.last_transfer = self.bridge.send(named_tensors)
         else:
@@ -212,12 +198,12 @@ class RolloutLink:
         if self.max_in_flight is not None and len(self.rounds) >= self.max_in_flight:
             raise RuntimeError(f"RolloutLink.issue: {len(self.rounds)} rounds in flight already, the bound is "
                                f"{self.max_in_flight}: take one first")
-        self._command("generate", {"kind": kind, "num_prompts": num_prompts, "pad_token_id": pad_token_id, **sampling})
+        self.command("generate", {"kind": kind, "num_prompts": num_prompts, "pad_token_id": pad_token_id, **sampling})
         if self.rank == CONTROLLER:
             assert prompts is not None and len(prompts) == num_prompts
             route = RowRoute(sources={CONTROLLER: (0, num_prompts)},
                              dests=self.routes.prompt_ranges(num_prompts, even=kind == "train"))
-            self._pending += send_rows(route, pack_prompts(prompts), first_row=0, wait=False)
+            self.hold(send_rows(route, pack_prompts(prompts), first_row=0, wait=False))
         self.rounds.append(Round(kind, num_prompts, sampling["n"], pad_token_id))
 
     def take(self, *, last: bool = False) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
@@ -240,7 +226,7 @@ class RolloutLink:
     def _receive(self, r: Round) -> dict[str, torch.Tensor]:
         prompt_ranges = self.routes.prompt_ranges(r.num_prompts, even=r.kind == "train")
         route = RowRoute(sources=self.routes.response_sources(prompt_ranges, r.n), dests=self._dests(r))
-        return recv_rows(route, _spec(r.pad_token_id))
+        return recv_rows(route, response_spec(r.pad_token_id))
 
     def generate(self, prompts: list[list[int]] | None, sampling: dict[str, Any], *, kind: str,
                  num_prompts: int, pad_token_id: int) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
@@ -250,16 +236,11 @@ class RolloutLink:
         self.issue(prompts, sampling, kind=kind, num_prompts=num_prompts, pad_token_id=pad_token_id)
         return self.take()
 
-    def close(self, error: str | None = None) -> None:
-        """The controller tells every rollout rank to stop, or to abort with ``error``."""
-        if not self._closed and self.rank == CONTROLLER:
-            _store().add(COMMANDS_KEY, 1)
-            tell_servers(self.rollout_ranks, error, timeout_s=self.close_timeout_s, role="rollout")
-        self._closed = True
 
-
-class RolloutServer:
-    """The loop of a rollout-pool rank: commands from the controller until ``stop`` or ``abort``."""
+class RolloutServer(ServiceServer):
+    """The loop of a rollout-pool rank (the rollout role's server on
+    :class:`~spmd_rl.distributed.service.ServiceServer`): commands from the controller until
+    ``stop`` or ``abort``."""
 
     def __init__(self, *, link: RolloutLink, engine: Any, replica: int, sleep_level: int, partial: bool = False,
                  partial_chunk: int = 32, stage_weights: bool = False) -> None:
@@ -268,57 +249,49 @@ class RolloutServer:
         under them, looking every ``partial_chunk`` decode steps (``rollout.partial``);
         ``stage_weights``: receive them then into a staging copy, loaded after the round
         (``rollout.stage_weights``)."""
-        self.link, self.engine, self.replica, self.sleep_level = link, engine, replica, sleep_level
+        super().__init__(link)
+        self.link: RolloutLink = link
+        self.engine, self.replica, self.sleep_level = engine, replica, sleep_level
         self.partial, self.partial_chunk, self.stage_weights = partial, partial_chunk, stage_weights
         self.staging_refused = False  # a staged copy did not fit once (warned once)
-        self.where = f"rollout rank {link.rank} ({socket.gethostname()})"
-        self.error: str | None = None  # a failure to report at the next round
         self.version = 0  # the policy version of the weights held
         self.weights_taken = 0  # weight transfers received (compared with the store's WEIGHTS_KEY)
         self.versions: list[int] = []  # the current round's weights: first, then one per swap
         # commands taken during a generation: (kind, payload, what came with it: a round's prompts, or the
         # tensors of a staged weight transfer)
         self.queued: list[tuple[str, Any, Any]] = []
-        self.pending: list = []  # rows sent and not taken yet, with their buffers
+        self.ahead: Any = None  # what came with the command being handled, when it was taken during a generation
 
-    def serve(self) -> int:
-        try:
-            while True:
-                kind, payload, prompts = self._next()
-                if kind == "stop":
-                    return 1 if self.error else 0
-                if kind == "abort":
-                    log.error("%s: stopping, the trainer failed: %s", self.where, payload)
-                    return 1
-                self._run(kind, payload, prompts)
-        finally:
-            self.pending = settle(self.pending)  # what the trainer never took (it stopped) is dropped
-
-    def _next(self) -> tuple[str, Any, Any]:
+    def next_command(self) -> tuple[str, Any]:
         """The next command: one taken during a generation, else the controller's next."""
-        return self.queued.pop(0) if self.queued else (*recv_object(CONTROLLER)[1], None)
+        kind, payload, self.ahead = self.queued.pop(0) if self.queued else (*self.receive(), None)
+        return kind, payload
 
-    def _run(self, kind: str, payload: Any, held: Any) -> None:
+    def handle(self, kind: str, payload: Any) -> None:
         if kind == "weights":
-            self._load_weights(payload, staged=held)
+            self.load_weights(payload, staged=self.ahead)
         elif kind == "generate":
-            self._generate(payload, held)
+            self._generate(payload, self.ahead)
         else:
-            raise RuntimeError(f"{self.where}: unknown command {kind!r} from the controller")
+            super().handle(kind, payload)
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
 
     def swap(self) -> bool:
         """The engine's look for new weights during a training round (``rollout.partial``): if the
         controller announced a transfer not taken yet, take the commands up to it (a round issued
         earlier is received with its prompts and kept for its turn), load the weights and say so."""
-        if int(_store().add(WEIGHTS_KEY, 0)) <= self.weights_taken:
+        if store_count(WEIGHTS_KEY) <= self.weights_taken:
             return False
         while True:
-            _, (kind, payload) = recv_object(CONTROLLER)
+            kind, payload = self.receive()
             if kind == "weights":  # loaded (or failed: the round's rows then carry the error)
-                self._load_weights(payload)
+                self.load_weights(payload)
                 self.versions.append(self.version)
                 return True
-            self.queued.append((kind, payload, self._prompts(payload) if kind == "generate" else None))
+            self.queued.append((kind, payload, self.prompts_of(payload) if kind == "generate" else None))
 
     def stage(self) -> None:
         """The engine's look during a training round with ``rollout.stage_weights``: a weight transfer
@@ -326,16 +299,16 @@ class RolloutServer:
         loaded when the round ends, in its turn (the commands before it are taken and kept, as
         :meth:`swap` does). One transfer at most waits so: a second one waits for the first's load."""
         waiting = any(kind == "weights" for kind, *_ in self.queued)
-        if waiting or int(_store().add(WEIGHTS_KEY, 0)) <= self.weights_taken:
+        if waiting or store_count(WEIGHTS_KEY) <= self.weights_taken:
             return
         while True:
-            _, (kind, payload) = recv_object(CONTROLLER)
+            kind, payload = self.receive()
             if kind == "weights":
-                self.queued.append((kind, payload, self._receive_staged()))
+                self.queued.append((kind, payload, self.receive_staged()))
                 return
-            self.queued.append((kind, payload, self._prompts(payload) if kind == "generate" else None))
+            self.queued.append((kind, payload, self.prompts_of(payload) if kind == "generate" else None))
 
-    def _receive_staged(self) -> list[tuple[str, torch.Tensor]] | None:
+    def receive_staged(self) -> list[tuple[str, torch.Tensor]] | None:
         """A weight transfer's tensors, received now and held; None (received later, when loaded)
         when one more copy of the weights does not fit in this rank's memory."""
         assert self.link.bridge is not None
@@ -349,8 +322,8 @@ class RolloutServer:
         self.weights_taken += 1
         return list(self.link.bridge.receive())
 
-    def _load_weights(self, version: int, staged: list[tuple[str, torch.Tensor]] | None = None) -> None:
-        """Load a transfer: received now, or held since :meth:`_receive_staged` (``staged``)."""
+    def load_weights(self, version: int, staged: list[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Load a transfer: received now, or held since :meth:`receive_staged` (``staged``)."""
         assert self.link.bridge is not None
         if staged is None:
             self.weights_taken += 1
@@ -360,12 +333,11 @@ class RolloutServer:
             if self.error is None:
                 self.engine.load_weights(tensors)
         except Exception as e:  # noqa: BLE001 - reported to the actor pool at the next round
-            self.error = f"{self.where}: loading the weights failed: {type(e).__name__}: {e}"
-            log.exception("%s: loading the weights failed", self.where)
+            self.fail("loading the weights", e)
         for _ in tensors:  # receive the rest of the transfer, which the sender goes on broadcasting
             pass
 
-    def _hooks(self) -> dict[str, Any]:
+    def hooks(self) -> dict[str, Any]:
         """What the engine calls while it decodes a training round's (or the stream's) rows."""
         if self.partial:
             return {"swap": self.swap, "swap_every": self.partial_chunk}
@@ -373,7 +345,7 @@ class RolloutServer:
             return {"look": self.stage, "swap_every": self.partial_chunk}
         return {}
 
-    def _prompts(self, p: dict[str, Any]) -> list[list[int]]:
+    def prompts_of(self, p: dict[str, Any]) -> list[list[int]]:
         """This rank's prompts of the round ``p`` (its replica's share), from the controller."""
         prompt_ranges = self.link.routes.prompt_ranges(p["num_prompts"], even=p["kind"] == "train")
         return unpack_prompts(recv_rows(RowRoute(sources={CONTROLLER: (0, p["num_prompts"])}, dests=prompt_ranges),
@@ -384,7 +356,7 @@ class RolloutServer:
         routes, me = self.link.routes, self.link.rank
         train = p["kind"] == "train"
         prompt_ranges = routes.prompt_ranges(p["num_prompts"], even=train)
-        prompts = self._prompts(p) if prompts is None else prompts
+        prompts = self.prompts_of(p) if prompts is None else prompts
         n = p["n"]
         route = RowRoute(sources=routes.response_sources(prompt_ranges, n),
                          dests=routes.actor_ranges(p["num_prompts"] * n, by_dp=train))
@@ -397,7 +369,7 @@ class RolloutServer:
                 self.engine.wake_up()
                 self.versions = [self.version]
                 # weights may change mid-round only in training rounds: validation's are issued after the sync
-                hooks = self._hooks() if train else {}
+                hooks = self.hooks() if train else {}
                 out = self.engine.generate(prompts, n=n, temperature=p["temperature"], top_p=p["top_p"],
                                            top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
                                            seed=replica_seed(p["seed"], self.replica if train else 0), **hooks)
@@ -408,8 +380,7 @@ class RolloutServer:
                            "logprobs": out.logprobs.float().cpu(), "truncated": out.truncated.long().cpu(),
                            "versions": versions, "gen_seconds": torch.full((len(prompts) * n,), time.perf_counter() - start)}
             except Exception as e:  # noqa: BLE001 - the actor ranks raise it
-                error = self.error = f"{self.where}: generation failed: {type(e).__name__}: {e}"
-                log.exception("%s: generation failed", self.where)
+                error = self.fail("generation", e)
             error = error or self.error  # weights that failed to load mid-round (rollout.partial)
             if error is not None:
                 tensors = {}
@@ -417,11 +388,5 @@ class RolloutServer:
         self.pending = settle(self.pending) + send_rows(route, tensors, first_row=first, error=error, wait=False)
 
 
-def serve_rollout_pool(*, engine: Any, link: RolloutLink, replica: int, sleep_level: int, partial: bool = False,
-                       partial_chunk: int = 32, stage_weights: bool = False) -> int:
-    """Serve the actor pool until it stops (0) or aborts (1); 1 too when this rank failed."""
-    return RolloutServer(link=link, engine=engine, replica=replica, sleep_level=sleep_level, partial=partial,
-                         partial_chunk=partial_chunk, stage_weights=stage_weights).serve()
-
-
-__all__ = ["COMMANDS_KEY", "CONTROLLER", "Round", "RolloutLink", "RolloutRoutes", "RolloutServer", "routes_of", "serve_rollout_pool"]
+__all__ = ["COMMANDS_KEY", "CONTROLLER", "WEIGHTS_KEY", "Round", "RolloutLink", "RolloutRoutes", "RolloutServer",
+           "response_spec", "routes_of"]

@@ -41,7 +41,6 @@ rank sends first (a tagged receive from any source), and a step trains on the ne
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -50,12 +49,11 @@ import torch
 import torch.distributed as dist
 
 from spmd_rl.distributed.bridge import RowRoute, pack_prompts, recv_rows, send_rows, settle
-from spmd_rl.distributed.comm import RemoteFailure, broadcast_object, recv_object
+from spmd_rl.distributed.comm import RemoteFailure, broadcast_object
+from spmd_rl.distributed.service import store_count
 from spmd_rl.seeds import replica_seed
 
-from .pool import COMMANDS_KEY, CONTROLLER, WEIGHTS_KEY, RolloutLink, RolloutServer, _spec, _store
-
-log = logging.getLogger("spmd_rl")
+from .pool import COMMANDS_KEY, CONTROLLER, WEIGHTS_KEY, RolloutLink, RolloutServer, response_spec
 
 STREAM_TAG = 7
 """Point-to-point tag of streamed groups (apart from the rounds' rows, which use the default tag)."""
@@ -108,11 +106,11 @@ def issue_stream(link: RolloutLink, prompts: list[list[int]] | None, sampling: d
     a ceil-sized share per rollout replica. Not collective: only the controller sends."""
     if link.rank != CONTROLLER:
         return
-    # kind "stream": a ceil-sized share per replica, as the server's _prompts routes it (even shares: "train")
-    link._command("stream", {"kind": "stream", "round": round_, "num_prompts": num_prompts,
+    # kind "stream": a ceil-sized share per replica, as the server's prompts_of routes it (even shares: "train")
+    link.command("stream", {"kind": "stream", "round": round_, "num_prompts": num_prompts,
                              "pad_token_id": pad_token_id, **sampling})
     route = RowRoute(sources={CONTROLLER: (0, num_prompts)}, dests=link.routes.prompt_ranges(num_prompts, even=False))
-    link._pending += send_rows(route, pack_prompts(prompts), first_row=0, wait=False)
+    link.hold(send_rows(route, pack_prompts(prompts), first_row=0, wait=False))
 
 
 def take_groups(link: RolloutLink, *, count: int, policy_version: int, max_staleness: int,
@@ -121,12 +119,12 @@ def take_groups(link: RolloutLink, *, count: int, policy_version: int, max_stale
     """Every actor rank: the next ``count`` complete groups, this rank's rows of them in the actor
     layout. On the controller, ``reissue(keys)`` issues the prompts of dropped groups again and
     returns ``(round, record)``; the other ranks get the record in :attr:`Taken.reissued`."""
-    spec = _spec(0)
+    spec = response_spec(0)
     meta: dict[str, Any] = {}
     if link.rank == CONTROLLER:
         fresh: list[Group] = []
         dropped, reissued = [], []
-        waiting = int(_store().add(STREAMED_KEY, 0)) - link.groups_received
+        waiting = store_count(STREAMED_KEY) - link.groups_received
         busy_before = dict(link.rollout_busy)
         try:
             while len(fresh) < count:
@@ -213,28 +211,30 @@ class StreamServer(RolloutServer):
         self.busy_s, self.stream_start = 0.0, 0.0  # seconds generating before this stream; its start
         self.error_sent = False
 
-    def _next(self) -> tuple[str, Any, Any]:
+    def receive(self) -> tuple[str, Any]:
+        """The controller's next message, counted (compared with the store's ``COMMANDS_KEY``)."""
+        message = super().receive()
+        self.commands_taken += 1
+        return message
+
+    def next_command(self) -> tuple[str, Any]:
         while True:
             if self.held is not None:  # rollout.partial: weights the stream ended before loading
                 version, self.held = self.held, None
-                self._load_weights(version)
+                self.load_weights(version)
             if self.error is not None:  # e.g. weights that failed to load: the controller raises it
-                self._send_error(self.error)
+                self.send_error(self.error)
             if self.queued or not self.waiting or self.error is not None:
                 break
             self._stream()  # rows a drain left: go on with them first
-        if self.queued:
-            return self.queued.pop(0)
-        kind, payload = recv_object(CONTROLLER)[1]
-        self.commands_taken += 1
-        return kind, payload, None
+        return super().next_command()
 
-    def _run(self, kind: str, payload: Any, held: Any) -> None:
+    def handle(self, kind: str, payload: Any) -> None:
         if kind == "stream":
-            self._add(payload, self._prompts(payload))
+            self._add(payload, self.prompts_of(payload))
             self._stream()
         else:  # weights, or a validation round
-            super()._run(kind, payload, held)
+            super().handle(kind, payload)
 
     def _add(self, p: dict[str, Any], prompts: list[list[int]]) -> None:
         """Queue a stream command's prompts (this replica's share) as rows."""
@@ -247,13 +247,13 @@ class StreamServer(RolloutServer):
     def _take(self, kind: str, payload: Any) -> None:
         """A command received during the stream: prompts join it, anything else waits for it to end."""
         if kind == "stream":
-            self._add(payload, self._prompts(payload))
+            self._add(payload, self.prompts_of(payload))
         elif kind == "weights" and self.partial:
             self.held = payload
         elif kind == "weights" and self.stage_weights:  # received now, loaded after the drain
-            self.queued.append((kind, payload, self._receive_staged()))
+            self.queued.append((kind, payload, self.receive_staged()))
         else:
-            self.queued.append((kind, payload, self._prompts(payload) if kind == "generate" else None))
+            self.queued.append((kind, payload, self.prompts_of(payload) if kind == "generate" else None))
 
     def stage(self) -> None:
         """``rollout.stage_weights``: the stream's look for commands (a weight transfer is received at
@@ -263,9 +263,8 @@ class StreamServer(RolloutServer):
 
     def _poll(self) -> None:
         """Receive the commands the controller announced (never blocks)."""
-        while int(_store().add(COMMANDS_KEY, 0)) > self.commands_taken:
-            kind, payload = recv_object(CONTROLLER)[1]
-            self.commands_taken += 1
+        while store_count(COMMANDS_KEY) > self.commands_taken:
+            kind, payload = self.receive()
             self._take(kind, payload)
             if kind == "weights" or self.queued:
                 return  # the weights' tensors follow their command: loaded by swap() or after the drain
@@ -273,16 +272,15 @@ class StreamServer(RolloutServer):
     def swap(self) -> bool:
         if self.held is not None:
             version, self.held = self.held, None
-            self._load_weights(version)
+            self.load_weights(version)
             self.versions.append(self.version)
             return True
-        if int(_store().add(WEIGHTS_KEY, 0)) <= self.weights_taken:
+        if store_count(WEIGHTS_KEY) <= self.weights_taken:
             return False
         while True:
-            kind, payload = recv_object(CONTROLLER)[1]
-            self.commands_taken += 1
+            kind, payload = self.receive()
             if kind == "weights":
-                self._load_weights(payload)
+                self.load_weights(payload)
                 self.versions.append(self.version)
                 return True
             self._take(kind, payload)
@@ -303,9 +301,9 @@ class StreamServer(RolloutServer):
         rows.append((key[2], tokens, logprobs, torch.tensor(self.versions)[swaps], truncated))
         if len(rows) == self.sampling["n"]:
             del self.open[key[:2]]
-            self._send_group(key[0], key[1], sorted(rows, key=lambda r: r[0]))
+            self.send_group(key[0], key[1], sorted(rows, key=lambda r: r[0]))
 
-    def _send_group(self, round_: int, position: int, rows: list) -> None:
+    def send_group(self, round_: int, position: int, rows: list) -> None:
         n, width = len(rows), max(max(len(r[1]) for r in rows), 1)
         packed = torch.zeros(n, 2 * width + 2, dtype=torch.long)
         packed[:, width:2 * width] = -1
@@ -318,9 +316,9 @@ class StreamServer(RolloutServer):
         header = torch.tensor([0, round_, position, n, width, busy_us])
         self.pending = settle(self.pending) + [(dist.isend(t, dst=CONTROLLER, tag=STREAM_TAG), t)
                                                for t in (header, packed, logprobs)]
-        _store().add(STREAMED_KEY, 1)
+        store_count(STREAMED_KEY, 1)
 
-    def _send_error(self, message: str) -> None:
+    def send_error(self, message: str) -> None:
         if self.error_sent:
             return
         self.error_sent = True
@@ -332,7 +330,7 @@ class StreamServer(RolloutServer):
         """Generate until the waiting rows are done and a command other than ``stream`` waits (or none)."""
         p = self.sampling
         if self.error is not None:
-            self._send_error(self.error)
+            self.send_error(self.error)
             self.waiting, self.open = [], {}
             return
         self.streams += 1
@@ -343,13 +341,12 @@ class StreamServer(RolloutServer):
             self.engine.stream(feed=self._feed, done=self._done, temperature=p["temperature"], top_p=p["top_p"],
                                top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
                                max_prompt_length=self.max_prompt_length,
-                               seed=replica_seed(p["seed"], self.replica, stream=self.streams), **self._hooks())
+                               seed=replica_seed(p["seed"], self.replica, stream=self.streams), **self.hooks())
             self.busy_s += time.perf_counter() - self.stream_start
         except Exception as e:  # noqa: BLE001 - the actor ranks raise it
-            self.error = f"{self.where}: generation failed: {type(e).__name__}: {e}"
-            log.exception("%s: generation failed", self.where)
+            self.fail("generation", e)
         if self.error is not None:
-            self._send_error(self.error)
+            self.send_error(self.error)
             self.waiting, self.open = [], {}
 
 

@@ -5,7 +5,7 @@ ranks also save the weights their engine holds after every weight load.
                 env={"SPMD_RL_TEST_ROLLOUT_WEIGHTS": folder})
     # folder/rank{R}_load{K}.pt: {hf_name: tensor} of rollout rank R after its K-th load (K from 0)
 
-The recording wraps the real ``RolloutServer._load_weights`` (the weights still travel and load as
+The recording wraps the real ``RolloutServer.load_weights`` (the weights still travel and load as
 in any run); it reads the rollout engine's own parameters afterwards, so a test compares what the
 rollout pool generates with against the actor's weights. Same arguments as ``spmd_rl.train``.
 """
@@ -27,7 +27,7 @@ from spmd_rl.rollout.pool import RolloutServer  # noqa: E402
 from spmd_rl.train import main, run  # noqa: E402,F401  (main: for run_program)
 
 ENV = "SPMD_RL_TEST_ROLLOUT_WEIGHTS"
-_load_weights = RolloutServer._load_weights
+_load_weights = RolloutServer.load_weights
 
 
 def _load_and_record(self: RolloutServer, *args: object, **kwargs: object) -> None:
@@ -39,7 +39,7 @@ def _load_and_record(self: RolloutServer, *args: object, **kwargs: object) -> No
         torch.save(held, os.path.join(folder, f"rank{self.link.rank}_load{self.loads}.pt"))
 
 
-RolloutServer._load_weights = _load_and_record  # type: ignore[method-assign]
+RolloutServer.load_weights = _load_and_record  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     run()
