@@ -187,6 +187,21 @@ def test_partial_rollouts_and_streams_need_a_backend_that_can() -> None:
         assert plan(cfg, 2).rollout_pool.name == "rollout"
 
 
+def test_the_loop_reads_straight_through() -> None:
+    """``Trainer.fit`` fits on a screen (at most 40 lines) and never asks which batch source it has:
+    no branch on the staleness, the stream, a rollout pool or DAPO's rounds (spmd_rl.source decides)."""
+    import ast
+    import inspect
+
+    from spmd_rl.trainer import Trainer
+
+    fit = ast.parse(textwrap.dedent(inspect.getsource(Trainer.fit))).body[0]
+    assert fit.end_lineno - fit.lineno + 1 <= 40, f"Trainer.fit has {fit.end_lineno - fit.lineno + 1} lines"
+    tests = [ast.unparse(node.test) for node in ast.walk(fit) if isinstance(node, (ast.If, ast.IfExp, ast.While))]
+    asks = [t for t in tests if re.search(r"stale|stream|link|schedule|dynamic|filter|separate|async", t)]
+    assert not asks, f"Trainer.fit branches on how its batches are made: {asks}"
+
+
 def test_the_skeleton_stays_readable() -> None:
     """``Trainer.__init__`` reads as assembly (at most 50 lines), and no module outside the two
     registries (``spmd_rl/engine/__init__.py``, ``spmd_rl/rollout/__init__.py``) branches on the name
