@@ -401,3 +401,46 @@ def test_logprobs_from_logits(dtype: torch.dtype) -> None:
                                atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     with pytest.raises(ValueError, match=r"labels shape \(3, 3\)"):
         reference.logprobs_from_logits(z, labels[:, :3])
+
+
+def test_cispo_and_ppo_clip_low_one_is_no_lower_clip() -> None:
+    """``clip_low = 1.0`` (MiniMax's CISPO): the ratio's lower bound is 0, so only the upper clip acts;
+    verl's ``compute_policy_loss_cispo`` per token: -sg(clamp(r, 1 - clip_low, 1 + clip_high)) * A * logp."""
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(3, 6, generator=g, dtype=torch.float64) * 2
+    lp = old + torch.randn(3, 6, generator=g, dtype=torch.float64)
+    lp[0, 0], lp[0, 1] = old[0, 0] - 4.0, old[0, 1] + 1.0  # r = e^-4 (kept as it is), r = e (clipped at 1.28)
+    adv = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    mask = (torch.rand(3, 6, generator=g) > 0.2).double()
+    mask[0, :2] = 1.0
+    n = mask.sum().item()
+    lpg = lp.clone().requires_grad_(True)
+    loss, met = losses.cispo(lpg, old, adv, mask, clip_low=1.0, clip_high=0.28, agg_mode="token-mean")
+    ref, grad, clipped = 0.0, [[0.0] * 6 for _ in range(3)], 0
+    for i in range(3):
+        for t in range(6):
+            if mask[i, t]:
+                r = math.exp(min(max(lp[i, t].item() - old[i, t].item(), -20.0), 20.0))
+                w = min(max(r, 0.0), 1.28)
+                ref += -w * adv[i, t].item() * lp[i, t].item() / n
+                grad[i][t] = -w * adv[i, t].item() / n
+                clipped += w != r
+    assert loss.item() == pytest.approx(ref, rel=1e-12)
+    assert met["pg_clipfrac"].item() == pytest.approx(clipped / n, rel=1e-12) and clipped >= 1
+    loss.backward()
+    torch.testing.assert_close(lpg.grad, torch.tensor(grad, dtype=torch.float64), rtol=1e-12, atol=1e-15)
+    assert lpg.grad[0, 0].item() == pytest.approx(-math.exp(-4.0) * adv[0, 0].item() / n, rel=1e-9)  # not raised to 0.8
+    # PPO-clip: the lower clip at 0 never binds (ratio > 0), so for A > 0 small ratios keep their gradient
+    ppo, _ = losses.ppo_clip(lp, old, adv, mask, clip_low=1.0, clip_high=0.28)
+    ref_ppo = 0.0
+    for i in range(3):
+        for t in range(6):
+            if mask[i, t]:
+                r, a = math.exp(lp[i, t].item() - old[i, t].item()), adv[i, t].item()
+                cl = max(-a * r, -a * min(max(r, 0.0), 1.28))
+                ref_ppo += (min(cl, -a * 3.0) if a < 0 else cl) / n
+    assert ppo.item() == pytest.approx(ref_ppo, rel=1e-12)
+    for fn in (losses.cispo, losses.ppo_clip):
+        kw = {"agg_mode": "token-mean"}
+        with pytest.raises(ValueError, match=r"clip_low must be in \[0, 1\].*got 1.01"):
+            fn(lp, old, adv, mask, clip_low=1.01, clip_high=0.28, **kw)

@@ -323,8 +323,8 @@ def test_cispo_global_counts_token_weights_and_validation() -> None:
     assert l32.dtype == torch.float32 and m32["pg_clipfrac_lower"].dtype == torch.float32
     l64, _ = losses.cispo(lp, old, adv, M, clip_low=0.2, clip_high=0.28, agg_mode="token-mean")
     assert l32.item() == pytest.approx(l64.item(), rel=1e-5)
-    with pytest.raises(ValueError, match=r"clip_low must be in \[0, 1\), got 1.0"):
-        losses.cispo(lp, old, adv, M, clip_low=1.0, clip_high=0.2, agg_mode="token-mean")
+    with pytest.raises(ValueError, match=r"clip_low must be in \[0, 1\] \(the ratio's lower bound 1 - clip_low >= 0\), got 1.5"):
+        losses.cispo(lp, old, adv, M, clip_low=1.5, clip_high=0.2, agg_mode="token-mean")
     with pytest.raises(ValueError, match=r"advantages shape \(6, 5\)"):
         losses.cispo(lp, old, adv[:, :5], M, clip_low=0.2, clip_high=0.2, agg_mode="token-mean")
 

@@ -157,8 +157,8 @@ def _check_pg_inputs(
     _check_same_shape("logprobs", logprobs, "old_logprobs", old_logprobs)
     _check_same_shape("logprobs", logprobs, "advantages", advantages)
     _check_same_shape("logprobs", logprobs, "response_mask", response_mask)
-    if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
+    if not 0.0 <= clip_low <= 1.0:  # 1: lower bound 0, only the upper clip acts (MiniMax's CISPO)
+        raise ValueError(f"clip_low must be in [0, 1] (the ratio's lower bound 1 - clip_low >= 0), got {clip_low}")
     if clip_high < 0.0:
         raise ValueError(f"clip_high must be >= 0, got {clip_high}")
 
@@ -291,7 +291,8 @@ def cispo(
     ratio = exp(clamp(logp - old_logp, -20, 20)); per token
     ``-sg(clip(ratio, 1-clip_low, 1+clip_high)) * A * logp``. Unlike PPO's clip no token is
     dropped: a clipped token still gets the gradient ``-w A`` with its weight capped. Same as
-    verl's ``compute_policy_loss_cispo``.
+    verl's ``compute_policy_loss_cispo``. ``clip_low=1.0`` (lower bound 0) is the paper's setting:
+    only the upper bound acts.
 
     Metrics (detached local token means, as verl): ``pg_clipfrac`` = share of tokens whose
     ratio was clipped on either side, ``ppo_kl`` = mean old_logp - logp, and
