@@ -25,8 +25,8 @@ projected on the FSDP engine's fp32 weight change: ~1 when the bf16 weights move
 average, as bf16(fp32 weights) do (``fsdp step``, the same measure of the FSDP engine's own bf16
 compute weights, is the yardstick); ``bf16 diff`` = the fraction of megatron's bf16 weights that
 differ from bf16(FSDP weights after the step). fp32 main weights started from the bf16-rounded
-checkpoint instead of the fp32 one gave step ~0.2 on tiny-random at lr 1e-5 (CPU emulation,
-tests/test_megatron_bf16.py) and ~50x slower learning on SmolLM2 at lr 2e-6.
+checkpoint instead of the fp32 one move the bf16 weights far less than the step (CPU emulation:
+tests/test_megatron_bf16.py; on SmolLM2: docs/RESULTS.md).
 Exit status 1 when a layout fails to run or a difference is above ``--tol`` (loose, for gross bugs),
 or ``step`` is below ``--min-step``.
 """

@@ -154,9 +154,8 @@ class ActorConfig:
     """Pack each micro-batch's sequences (prompt + response) without padding into rows with
     per-sequence positions and causal attention inside each sequence (torch's flash varlen kernel on
     GPU, a block-diagonal SDPA mask on CPU); same loss, fewer wasted tokens. Applies to the actor's
-    and the reference's forwards. With `actor.max_tokens_per_gpu` it is the fast setting on GPU:
-    1.8x on a 1.5B update, 2.5x on a 135M one, where few large micro-batches also save per-layer
-    collectives (docs/PERF.md). FSDP engine only."""
+    and the reference's forwards. With `actor.max_tokens_per_gpu` it is the fast setting on GPU,
+    where few large micro-batches also save per-layer collectives (docs/PERF.md). FSDP engine only."""
     max_tokens_per_gpu: int | None = None
     """Dynamic micro-batches: rows grouped so each forward holds at most this many prompt + response
     tokens per GPU (x `actor.fsdp.ulysses_size` per sequence-parallel group), balanced, with the

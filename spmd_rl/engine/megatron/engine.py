@@ -227,9 +227,9 @@ class MegatronEngine(MegatronCheckpointing, MegatronOffload):
         the accumulated updates pass half a bf16 step (2^-9 relative: ~1e-4 for a weight of 0.05, or
         ~50 AdamW steps of lr 2e-6). The FSDP engine keeps the checkpoint's fp32 weights, which lie
         anywhere between grid points, so a small step moves the bf16 compute weights by the step on
-        average from the first update. Seen on SmolLM2-135M (a dequantised GGUF: fp32 weights off
-        the bf16 grid), lr 2e-6: the megatron actor moved ~50x less per step than the FSDP one
-        (kl_loss 0.0014 vs 0.13 after one step). Each main weight is this rank's shard (its range
+        average from the first update. On a checkpoint whose fp32 weights lie off the bf16 grid
+        (SmolLM2-135M, a dequantised GGUF) at lr 2e-6 a megatron actor seeded from the rounded
+        weights barely moves (docs/RESULTS.md, "Megatron engine on GPUs"). Each main weight is this rank's shard (its range
         in the flattened parameter) of one model parameter."""
         for opt, model_param, main_param in self._main_params():
             start, end = param_range(opt, model_param)
