@@ -8,8 +8,8 @@ padded or packed), finds the positions the LM head scores (those predicting a va
 token; under Ulysses only this rank's column slice ``[lo, lo + W/k)``) and their labels, and the
 attention layout (flash varlen runs, or the dense block-causal mask on CPU). On GPU every tensor
 goes to the device from pinned memory without blocking (:func:`to_device`): a copy from pageable
-memory first waits for all the work queued on the device, so copying inputs between forwards left
-the GPU idle once per tensor and micro-batch while the host caught up (docs/PERF.md). Staging all
+memory first waits for all the work queued on the device, so copying inputs between forwards would
+leave the GPU idle once per tensor and micro-batch while the host caught up (docs/PERF.md). Staging all
 micro-batches before the first forward keeps the queue full.
 """
 

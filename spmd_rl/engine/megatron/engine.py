@@ -229,8 +229,8 @@ class MegatronEngine(MegatronCheckpointing, MegatronOffload):
         anywhere between grid points, so a small step moves the bf16 compute weights by the step on
         average from the first update. On a checkpoint whose fp32 weights lie off the bf16 grid
         (SmolLM2-135M, a dequantised GGUF) at lr 2e-6 a megatron actor seeded from the rounded
-        weights barely moves (docs/RESULTS.md, "Megatron engine on GPUs"). Each main weight is this rank's shard (its range
-        in the flattened parameter) of one model parameter."""
+        weights barely moves (docs/RESULTS.md, "Megatron engine on GPUs"). Each main weight is this
+        rank's shard (its range in the flattened parameter) of one model parameter."""
         for opt, model_param, main_param in self._main_params():
             start, end = param_range(opt, model_param)
             source = fp32_weights[model_param].reshape(-1)[start:end]
