@@ -23,7 +23,7 @@ from conftest import REPO
 ARCHITECTURE = os.path.join(REPO, "docs", "ARCHITECTURE.md")
 HISTORY = os.path.join("docs", "results", "HISTORY.md")
 TOP = ("spmd_rl", "tests", "bench", "configs", "launch", "slurm", "docs")
-PATH = re.compile(r"`((?:%s)/[\w./-]*)`" % "|".join(TOP))
+PATH = re.compile(rf"`((?:{'|'.join(TOP)})/[\w./-]*)`")
 DOTTED = re.compile(r"`(spmd_rl(?:\.\w+)+)`")
 
 
@@ -51,13 +51,14 @@ def _module_file(parts: list[str]) -> str | None:
 def _defines(path: str, attr: str) -> bool:
     """Whether a module defines, imports or lazily exports (a quoted name in its export table) ``attr``."""
     source = _read(path)
-    if re.search(r"^\s*(?:async def|def|class)\s+%s\b|^\s*%s\s*[:=]" % (re.escape(attr), re.escape(attr)), source, re.M):
+    name = re.escape(attr)
+    if re.search(rf"^\s*(?:async def|def|class)\s+{name}\b|^\s*{name}\s*[:=]", source, re.MULTILINE):
         return True
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name).split(".")[-1] == attr
                                                                    for a in node.names):
             return True
-    return re.search(r"[\"']%s[\"']" % re.escape(attr), source) is not None
+    return re.search(rf"[\"']{name}[\"']", source) is not None
 
 
 def test_architecture_names_something() -> None:
