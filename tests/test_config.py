@@ -53,8 +53,8 @@ RULES = [
     (["--actor.ppo-epochs", "0"], "actor.ppo_epochs must be >= 1, got 0"),
     (["--actor.max-tokens-per-gpu", "0"], "actor.max_tokens_per_gpu must be >= 1 (or unset), got 0"),
     (["--algo.clip-low", "-0.1"], "algo.clip_low (-0.1) and algo.clip_high (0.2) must be >= 0"),
-    (["--algo.clip-low", "1.5"], "algo.clip_low must be < 1 (the ratio is clipped below at 1 - clip_low, which must "
-                                 "stay > 0), got 1.5"),
+    (["--algo.clip-low", "1.5"], "algo.clip_low must be <= 1 (the ratio is clipped below at 1 - clip_low, which must "
+                                 "stay >= 0; 1 = no lower clip), got 1.5"),
     (["--algo.clip-c", "1"], "algo.clip_c must be > 1, got 1.0"),
     (["--reward.timeout-s", "-1"], "reward.timeout_s must be >= 0 (0 = no limit), got -1.0"),
     (["--algo.kl-coef", "-1"], "algo.kl_coef must be >= 0, got -1.0"),

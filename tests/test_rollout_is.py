@@ -110,3 +110,43 @@ def test_objective_needs_rollout_logprobs_and_off_is_unchanged() -> None:
     b, _ = actor_objective(lp, None, old_logprobs=old, advantages=adv, response_mask=mask, ref_logprobs=None,
                            algo=off, global_tokens=5.0, global_seqs=4.0)
     assert a.item() == b.item() and not any(k.startswith("rollout/") for k in met)
+
+
+# --------------------------------------------------------------------------- runs (CPU, 2 gloo ranks, tiny model)
+
+MODES = {
+    # one optimizer step per batch: the micro-batches' own log-probs are the old ones (the old alias)
+    "token_truncated": ["--algo.rollout-is", "token_truncated", "--algo.rollout-is-cap", "2.0"],
+    # IcePop band, sequence level, batch-normalised, two rejection criteria: the update's own forward
+    "sequence_band_rs": ["--algo.rollout-is", "sequence", "--algo.rollout-is-threshold", "0.5_5.0",
+                         "--algo.rollout-is-batch-normalize", "--algo.rollout-rs", "token_k1,seq_max_k2",
+                         "--algo.rollout-rs-threshold", "0.5_2.0,1e-30"],
+    # two mini-batches: the trainer's old-log-prob forward; token IS and a sequence criterion
+    "token_two_updates": ["--algo.rollout-is", "token", "--algo.rollout-rs", "seq_mean_k3", "--algo.rollout-rs-threshold",
+                          "1.0", "--actor.ppo-mini-batch-size", "2"],
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_run_logs_the_correction(mode: str, tmp_path) -> None:
+    from test_pools import run_ok
+    from test_train_e2e import read_metrics
+
+    out = str(tmp_path / "run")
+    run_ok(out, "--trainer.total-steps", "2", "--data.train-batch-size", "4", "--rollout.n", "4",
+           "--actor.ppo-mini-batch-size", "4", *MODES[mode], nproc=2)
+    steps = [m for m in read_metrics(out) if "critic/score/mean" in m]
+    assert len(steps) == 2
+    for m in steps:
+        for key in ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/chi2_seq",
+                    "rollout_corr/ppl_ratio", "rollout_corr/rollout_is_eff_sample_size", "rollout/is_weight_mean",
+                    "rollout/logprob_abs_diff"):
+            assert math.isfinite(m[key]), (key, m)
+        assert abs(m["rollout_corr/kl"]) < 1e-3 and m["rollout_corr/ppl_ratio"] == pytest.approx(1.0, abs=1e-3)
+        assert math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"])
+    if mode == "sequence_band_rs":
+        assert all(m["rollout_corr/rollout_is_batch_norm_factor"] > 0 for m in steps)
+        assert all("rollout_corr/rollout_is_seq_clipped_fraction" in m for m in steps)
+        assert all(m["rollout_corr/rollout_rs_seq_max_k2_masked_fraction"] > 0 for m in steps), steps
+    if mode == "token_two_updates":
+        assert all(m["rollout_corr/rollout_rs_masked_fraction"] == 0.0 for m in steps)

@@ -44,12 +44,16 @@ import torch.distributed as dist
 
 from spmd_rl.algo import ROLLOUT_IS_LEVELS, parse_is_threshold, parse_rollout_rs
 
-__all__ = ["SAFETY_BOUND", "rollout_correction", "importance_weights"]
+__all__ = ["SAFETY_BOUND", "NoValidToken", "rollout_correction", "importance_weights"]
 
 SAFETY_BOUND = 20.0
 """log r is clamped to [-20, 20] before it is exponentiated."""
 EPS = 1e-8  # verl's masked_mean: sum / (count + 1e-8)
 PREFIX = "rollout_corr/"
+
+
+class NoValidToken(ValueError):
+    """:func:`rollout_correction` of a batch (over the group) without any valid token."""
 
 
 class _Global:
@@ -163,7 +167,7 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     b, red = _Batch(old_logprobs, rollout_logprobs, mask), _Global(group, sum_weight)
     n = red.sums({"tokens": b.m.sum(), "rows": torch.tensor(float(len(b.m))), "valid_rows": b.row_valid.sum()})
     if n["tokens"] <= 0:
-        raise ValueError("rollout_correction: the mask has no valid token")
+        raise NoValidToken("rollout_correction: the mask has no valid token")
     metrics: dict[str, float] = {}
     weights = None
     if is_level is not None:

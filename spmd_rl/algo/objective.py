@@ -8,10 +8,15 @@ Every term is aggregated with the GLOBAL token / sequence counts of the data-par
 so summing the returned losses over all micro-batches on all ranks gives the mini-batch objective
 exactly; engines must therefore sum (not average) gradients across ranks.
 
-With ``algo.rollout_is=token_truncated`` each token's policy loss is weighted by
-``min(exp(old - rollout), algo.rollout_is_cap)`` (:func:`losses.truncated_is_weights`), which corrects
-for the numerical gap between the rollout engine's and the trainer's log-probs; the mismatch is
-logged as ``rollout/is_weight_mean``, ``rollout/is_clip_frac`` and ``rollout/rollout_kl``.
+With ``algo.rollout_is`` (``token`` / ``sequence``) each token's policy loss is multiplied by its
+importance weight of the rollout / trainer gap (:mod:`spmd_rl.algo.correction`): the step's weights
+``is_weights`` when the caller computed them over the whole batch (:class:`spmd_rl.actor.ActorUpdate`
+does, for ``algo.rollout_is_batch_normalize`` and whenever old log-probs exist before the update), else
+this micro-batch's own, which are the same numbers (a token's or a row's weight depends on its row
+only). Tokens rejected by ``algo.rollout_rs`` are left out by the caller: ``response_mask`` is then the
+mask after rejection. Logged per micro-batch as ``rollout/is_weight_mean`` (mean applied weight),
+``rollout/is_clip_frac`` (share of tokens whose weight the threshold changed) and ``rollout/rollout_kl``
+(mean rollout - old).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from spmd_rl.algo import CRITIC_ESTIMATOR_NAMES, losses
+from spmd_rl.algo.correction import importance_weights
 from spmd_rl.algo import advantages as adv_lib
 from spmd_rl.config import AlgoConfig
 
@@ -36,6 +42,26 @@ POLICY_LOSSES = {
     "gspo": losses.gspo,
     "cispo": losses.cispo,
 }
+
+
+def _is_weights(old: torch.Tensor, rollout: torch.Tensor | None, mask: torch.Tensor, algo: AlgoConfig,
+                given: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The importance weights that multiply the policy loss, and their ``rollout/*`` token means."""
+    if rollout is None:
+        raise ValueError(f"algo.rollout_is={algo.rollout_is} needs the rollout engine's log-probs")
+    if given is None and algo.rollout_is_batch_normalize:
+        raise ValueError("algo.rollout_is_batch_normalize needs the step's weights (is_weights), normalised over the "
+                         "whole batch (spmd_rl.actor.ActorUpdate computes them)")
+    level = algo.rollout_is_level
+    own = importance_weights(old, rollout, mask, level=level, threshold=algo.rollout_is_threshold)
+    raw = importance_weights(old, rollout, mask, level=level, threshold=float("inf"))
+    weights = own if given is None else given.to(own.dtype)
+    with torch.no_grad():
+        m = mask.to(own.dtype)
+        n = m.sum().clamp(min=1)
+        metrics = {"is_weight_mean": (weights * m).sum() / n, "is_clip_frac": ((own != raw).to(m.dtype) * m).sum() / n,
+                   "rollout_kl": ((rollout - old).clamp(-20.0, 20.0) * m).sum() / n}
+    return weights, metrics
 
 
 def compute_advantages(scores: torch.Tensor, group_index: torch.Tensor, response_mask: torch.Tensor, *,
@@ -62,10 +88,12 @@ def actor_objective(
     global_seqs: float,
     rollout_logprobs: torch.Tensor | None = None,
     teacher_logprobs: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``rollout_logprobs``: the sampling engine's log-probs, needed when ``algo.rollout_is`` is on
-    (the policy loss is then weighted per token by :func:`losses.truncated_is_weights` of
-    ``old_logprobs``, which must be the trainer's own log-probs of the sampling policy).
+    (the policy loss is then weighted per token by the importance weights of ``old_logprobs``, which
+    must be the trainer's own log-probs of the sampling policy: ``is_weights`` when given, the step's
+    weights, else this micro-batch's, see the module docstring).
     ``teacher_logprobs``: a teacher's log-probs of the sampled tokens; with ``algo.distill_coef`` > 0
     the loss adds that coefficient times the reverse KL(actor || teacher) per token, estimated on the
     actor's own samples with the low-variance k3 estimator (``actor/distill_kl``)."""
@@ -73,11 +101,8 @@ def actor_objective(
     policy = POLICY_LOSSES[algo.policy_loss]
     extra = {"clip_c": algo.clip_c} if algo.policy_loss == "ppo_clip" else {}
     is_metrics: dict[str, torch.Tensor] = {}
-    if algo.rollout_is == "token_truncated":
-        if rollout_logprobs is None:
-            raise ValueError("algo.rollout_is=token_truncated needs the rollout engine's log-probs")
-        extra["token_weights"], is_metrics = losses.truncated_is_weights(
-            old_logprobs, rollout_logprobs, response_mask, cap=algo.rollout_is_cap)
+    if algo.rollout_is != "none":
+        extra["token_weights"], is_metrics = _is_weights(old_logprobs, rollout_logprobs, response_mask, algo, is_weights)
     pg_loss, metrics = policy(
         logprobs, old_logprobs, advantages, response_mask,
         clip_low=algo.clip_low, clip_high=algo.clip_high, agg_mode=algo.loss_agg_mode, **extra, **counts,

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from spmd_rl.algo import parse_is_threshold, parse_rollout_rs
+
 from .checks import _check
 from .engines import ActorConfig, CriticConfig, FsdpConfig, MegatronConfig, RefConfig
 
@@ -207,13 +209,31 @@ class AlgoConfig:
     """Weight of a mixture-of-experts actor's router load-balancing loss (Hugging Face's `aux_loss`, Switch
     Transformer style) in the actor loss; 0 = off. Logged as `actor/moe_aux_loss` either way (FSDP engine; the
     megatron engine does not compute it and refuses > 0)."""
-    rollout_is: Literal["none", "token_truncated"] = "none"
-    """Importance-sampling correction of the rollout/trainer log-prob mismatch (e.g. vLLM vs FSDP):
-    `token_truncated` multiplies each token's policy loss by min(exp(old - rollout), algo.rollout_is_cap),
-    old = the trainer's own log-probs under the weights before the update (with one optimizer step per batch,
-    the update's own, detached; otherwise a forward before the update)."""
-    rollout_is_cap: float = 2.0
-    """Upper bound of the truncated importance weight (`algo.rollout_is=token_truncated`)."""
+    rollout_is: Literal["none", "token", "sequence", "token_truncated"] = "none"
+    """Importance weights of the gap between the policy that sampled (the rollout engine: older weights
+    in asynchronous runs, other kernels and dtypes) and the trainer's, r = pi_old / pi_rollout, multiplying
+    each token's policy loss: `token` (r of each token: low variance, biased), `sequence` (the product of
+    the row's r: unbiased, high variance), `none`. Thresholded by `algo.rollout_is_threshold`.
+    `token_truncated` is `token` (its former name). pi_old = the trainer's log-probs before the update
+    (with one optimizer step per batch, the update's own, detached). spmd_rl/algo/correction.py, docs/OFFPOLICY.md."""
+    rollout_is_threshold: str | float = 2.0
+    """`algo.rollout_is`'s threshold: a number U truncates the weights at U (TIS); `L_U` (e.g. `0.5_5.0`)
+    keeps weights in [L, U] as they are and sets the others to 0 (IcePop's band; such tokens stay in the
+    token count)."""
+    rollout_is_cap: float | None = None
+    """Former name of `algo.rollout_is_threshold` (a number >= 1); set, it replaces the threshold."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the importance weights by their mean over the step's batch (its tokens with `token`, its
+    sequences with `sequence`; over every data-parallel rank), so they average 1."""
+    rollout_rs: str | None = None
+    """Rejection of tokens or sequences whose rollout / trainer divergence is too large: comma-separated
+    criteria, every one must pass: `token_k1|k2|k3` (per token), `seq_sum_k1|k2|k3`, `seq_mean_k1|k2|k3`,
+    `seq_max_k2|k3` (over a sequence, which is rejected whole); k1 = -log r, k2 = (log r)^2 / 2,
+    k3 = r - 1 - log r. Rejected tokens leave the loss and its token count. None = off."""
+    rollout_rs_threshold: str | float | None = None
+    """One threshold per `algo.rollout_rs` criterion, comma-separated (or one shared by all): `L_U`
+    ratio bounds for k1 criteria (kept: log L <= k1 <= log U; a single U means `1/U_U`), an upper bound
+    of the divergence for k2 / k3."""
     gamma: float = 1.0
     """`gae`: discount per response token."""
     lam: float = 1.0
@@ -239,16 +259,39 @@ class AlgoConfig:
 
     def __post_init__(self) -> None:
         _check(self.clip_low >= 0 and self.clip_high >= 0, f"algo.clip_low ({self.clip_low}) and algo.clip_high ({self.clip_high}) must be >= 0")
-        _check(self.clip_low < 1, f"algo.clip_low must be < 1 (the ratio is clipped below at 1 - clip_low, "
-                                  f"which must stay > 0), got {self.clip_low}")
+        _check(self.clip_low <= 1, f"algo.clip_low must be <= 1 (the ratio is clipped below at 1 - clip_low, "
+                                   f"which must stay >= 0; 1 = no lower clip), got {self.clip_low}")
         _check(self.clip_c > 1, f"algo.clip_c must be > 1, got {self.clip_c}")
         _check(self.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {self.kl_coef}")
         _check(self.distill_coef >= 0, f"algo.distill_coef must be >= 0, got {self.distill_coef}")
         _check(self.moe_aux_coef >= 0, f"algo.moe_aux_coef must be >= 0, got {self.moe_aux_coef}")
-        _check(self.rollout_is_cap >= 1, f"algo.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
+        self._check_rollout_correction()
         _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
                f"algo.gamma ({self.gamma}) and algo.lam ({self.lam}) must be in [0, 1]")
         _check(self.max_sample_rounds >= 0, f"algo.max_sample_rounds must be >= 0 (0 = no limit), got {self.max_sample_rounds}")
+
+    def _check_rollout_correction(self) -> None:
+        if self.rollout_is_cap is not None:
+            _check(self.rollout_is_cap >= 1, f"algo.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
+            self.rollout_is_threshold = self.rollout_is_cap
+        for check in (lambda: parse_is_threshold(self.rollout_is_threshold),
+                      lambda: self.rollout_rs is None or parse_rollout_rs(self.rollout_rs, self.rollout_rs_threshold)):
+            try:
+                check()
+            except ValueError as e:
+                _check(False, str(e))
+        _check(self.rollout_rs is not None or self.rollout_rs_threshold is None,
+               f"algo.rollout_rs_threshold={self.rollout_rs_threshold} is set but algo.rollout_rs is not")
+
+    @property
+    def rollout_is_level(self) -> str | None:
+        """`algo.rollout_is` as :func:`spmd_rl.algo.rollout_correction`'s ``is_level`` (None when off)."""
+        return {"none": None, "token_truncated": "token"}.get(self.rollout_is, self.rollout_is)
+
+    @property
+    def rollout_correction_on(self) -> bool:
+        """Whether the update weights or rejects by the rollout / trainer gap."""
+        return self.rollout_is != "none" or self.rollout_rs is not None
 
 
 @dataclass(kw_only=True)
