@@ -190,7 +190,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
     _check_teacher(cfg, separate=teacher is not None, engine_meshes=engine.meshes)
     warnings = list(engine.warnings(cfg.actor)) + _check_critic(cfg, engine_builds_critic=engine.critic)
     warnings += _check_staleness(cfg, rollout_pool=ROLLOUT in by_name)
-    _check_in_flight(cfg, rollout_pool=ROLLOUT in by_name, backend=backend)
+    check_in_flight(cfg, rollout_pool=ROLLOUT in by_name, backend=backend)
     fractions = _memory_fractions(cfg, specs, world_size, nproc_per_node)
     _check_engine(cfg, engine)
     _check_backend(cfg, backend, rollout)
@@ -386,7 +386,7 @@ _IN_FLIGHT = {  # rollout flags that act while rows or weights are in flight: (w
 }
 
 
-def _check_in_flight(cfg: Config, *, rollout_pool: bool, backend: Any) -> None:
+def check_in_flight(cfg: Config, *, rollout_pool: bool, backend: Any) -> None:
     """``rollout.partial`` and ``rollout.stream`` need a rollout pool, prompts in flight (max staleness
     > 0), and a backend whose registry entry says it can (``BackendSpec.partial`` / ``.stream``)."""
     for flag, (does, needs) in _IN_FLIGHT.items():
@@ -448,4 +448,4 @@ def _memory_fractions(cfg: Config, specs: list[PoolSpec], world_size: int,
     return fractions
 
 
-__all__ = ["Plan", "plan"]
+__all__ = ["Plan", "check_in_flight", "plan"]

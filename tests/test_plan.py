@@ -172,7 +172,7 @@ def test_partial_rollouts_and_streams_need_a_backend_that_can() -> None:
     back rows one by one; the registry says which can."""
     from types import SimpleNamespace
 
-    from spmd_rl.plan import _check_in_flight
+    from spmd_rl.plan import check_in_flight
 
     for flag, needs in (("partial", "continues responses under new weights"),
                         ("stream", "hands back each response as it finishes"),
@@ -181,9 +181,9 @@ def test_partial_rollouts_and_streams_need_a_backend_that_can() -> None:
                            "--trainer.max-staleness", "1"])
         with pytest.raises(ValueError, match=re.escape(f"rollout.{flag} needs a rollout backend that {needs}; "
                                                        "rollout.backend=native does not: use --rollout.backend native")):
-            _check_in_flight(cfg, rollout_pool=True,
+            check_in_flight(cfg, rollout_pool=True,
                              backend=SimpleNamespace(partial=False, stream=False, stage_weights=False))
-        _check_in_flight(cfg, rollout_pool=True, backend=SimpleNamespace(partial=True, stream=True, stage_weights=True))
+        check_in_flight(cfg, rollout_pool=True, backend=SimpleNamespace(partial=True, stream=True, stage_weights=True))
         assert plan(cfg, 2).rollout_pool.name == "rollout"
 
 
