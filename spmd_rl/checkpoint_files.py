@@ -7,7 +7,7 @@ these helpers; ``python -m spmd_rl.export`` reads checkpoints with them alone.
   :func:`resolve_checkpoint` (a run folder, its ``checkpoints/`` or one ``step_N``), :func:`read_meta`;
 * reading without a process group: :func:`load_without_process_group` (DCP with planners that read
   non-tensor values with ``torch.load(weights_only=True)``);
-* writing: :func:`write_atomic` (temp file, fsync, ``os.replace``), :func:`truncate_metrics` (a
+* writing: :func:`~spmd_rl.atomic.write_atomic` (:mod:`spmd_rl.atomic`), :func:`truncate_metrics` (a
   resumed run's ``metrics.jsonl`` cut back to the checkpoint's step);
 * every RNG a rank uses as JSON: :func:`rng_state`, :func:`set_rng_state`;
 * :func:`describe_differences`: what changed between the saving and the resuming run;
@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+from spmd_rl.atomic import fsync_dir, write_atomic, write_file
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
@@ -202,34 +204,6 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
 
 
 # --------------------------------------------------------------------------- small file helpers
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_file(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so readers see the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write_file(tmp, text)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def folder_bytes(folder: Path) -> int:

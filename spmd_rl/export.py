@@ -37,6 +37,7 @@ from typing import Iterator
 import torch
 import yaml
 
+from spmd_rl.atomic import atomic_folder
 from spmd_rl.checkpoint_files import load_without_process_group, read_meta, resolve_checkpoint
 from spmd_rl.config import LoraConfig
 
@@ -141,34 +142,15 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
     return shards
 
 
-def _readable(folder: Path) -> None:
-    """The usual umask modes (safetensors writes its files private, an export is meant to be shared)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for path in folder.iterdir():
-        os.chmod(path, 0o666 & ~mask)
-
-
 @contextmanager
 def _writing(out_dir: str | os.PathLike, overwrite: bool) -> Iterator[Path]:
-    """A sibling temporary folder to write into, renamed to ``out_dir`` when the block ends without
-    an error (removed otherwise), so ``out_dir`` is never half written."""
+    """A temporary folder that replaces ``out_dir`` when the block ends without an error
+    (:func:`~spmd_rl.atomic.atomic_folder`), so ``out_dir`` is never half written."""
     out = Path(out_dir).expanduser().resolve()
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
-    tmp = out.with_name(f".{out.name}.tmp-export-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_folder(out) as tmp:
         yield tmp
-        _readable(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def export_hf(ckpt: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "auto",

@@ -32,12 +32,13 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from spmd_rl.atomic import atomic_folder
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 TINY_NAME = "tiny-random"
@@ -55,16 +56,6 @@ def cache_root(cache_dir: str | None) -> Path:
     """``cache_dir`` if given, else ``$SPMD_RL_CACHE``, else ``~/.cache/spmd_rl``."""
     root = cache_dir or os.environ.get("SPMD_RL_CACHE") or os.path.join("~", ".cache", "spmd_rl")
     return Path(root).expanduser().resolve()
-
-
-def _make_readable(folder: Path) -> None:
-    """Give ``folder`` and its files the umask's usual modes: mkdtemp and some writers make them private,
-    while a cache may be shared by several users."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(folder, 0o777 & ~mask)
-    for path in folder.iterdir():
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def is_complete(folder: Path) -> bool:
@@ -91,20 +82,12 @@ def materialise(target: Path, build: Callable[[Path], None], *, info: dict) -> P
             # Holding the lock, nobody else is building this name: leftovers are from a crash.
             for stale in target.parent.glob(f".{target.name}.tmp-*"):
                 shutil.rmtree(stale, ignore_errors=True)
-            if target.exists():
-                shutil.rmtree(target)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-            try:
+            with atomic_folder(target) as tmp:  # replaces an incomplete target
                 build(tmp)
                 if not (tmp / "config.json").is_file():
                     raise RuntimeError(f"building {target.name} wrote no config.json into {tmp}")
                 marker = dict(info, format_version=FORMAT_VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S"))
                 (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-                _make_readable(tmp)
-                os.rename(tmp, target)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     return target
