@@ -15,7 +15,8 @@ wraps it anyway). Everything below holds on both; what is FSDP's alone says so.
     state = engine.state_dict()                         # sharded, for torch.distributed.checkpoint
     engine.load_state_dict(state)
 
-Every decoder layer is its own FSDP unit and the root holds embeddings, final norm and head. The
+Every decoder layer is its own FSDP unit and the root holds embeddings, final norm and head
+(:mod:`spmd_rl.engine.sharding`, which the reward model shares). The
 mesh is ``[fsdp]`` (ZeRO-3 over the pool) or ``[ddp, fsdp]`` (HSDP). Gradients are SUMMED across
 ranks (divide factor 1): the trainer divides each micro-batch loss by the global token (or
 sequence) count of the data-parallel mini-batch, so the sum is the exact global mean and FSDP must
@@ -68,7 +69,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from spmd_rl.config import ActorConfig, FsdpConfig, LoraConfig
@@ -78,24 +79,13 @@ from spmd_rl.engine import lora as lora_utils
 from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available, keep_logits_bytes
 from spmd_rl.engine.inputs import Staged, stage
-from spmd_rl.engine.mixed import ComputeCopies
 from spmd_rl.engine.fsdp_state import FSDPCheckpointing, FSDPOffload
 from spmd_rl.engine.nanwatch import NonfiniteWatch
+from spmd_rl.engine.sharding import decoder_layers, shard_model
 from spmd_rl.engine.value import ValueHead, load_value_model
 from spmd_rl.models import load_causal_lm
 
 log = logging.getLogger("spmd_rl")
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(
-            f"{type(model).__name__} has no `model.layers`; the FSDP engine supports decoder-only "
-            "Hugging Face models of the Llama / Qwen / Mistral shape"
-        )
-    return list(layers)
-
 
 class FSDPEngine(FSDPCheckpointing, FSDPOffload):
     """Actor (trainable) or reference (frozen) model under FSDP2."""
@@ -148,6 +138,19 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
         self.compute_dtype = compute_dtype or (torch.bfloat16 if self.on_gpu else torch.float32)
         self._params_on_device = self._optimizer_on_device = True
         self.group = group
+        self._set_sequence_layout(sp_group, use_packing=use_packing, max_tokens_per_gpu=max_tokens_per_gpu)
+        model = self._prepare_model(model_folder, fsdp=fsdp, value_model=value_model, seed=seed,
+                                    trust_remote_code=trust_remote_code, logits_chunk_tokens=logits_chunk_tokens,
+                                    moe_aux_coef=moe_aux_coef, gradient_checkpointing=gradient_checkpointing,
+                                    lora=lora)
+        self._shard(model, fsdp)
+        self._build_optimizer(actor, total_updates=total_updates, role="critic" if value_model else "actor")
+        self.offload()
+
+    def _set_sequence_layout(self, sp_group: dist.ProcessGroup | None, *, use_packing: bool,
+                             max_tokens_per_gpu: int | None) -> None:
+        """How a micro-batch's rows are laid out: the Ulysses group, packing, the token budget, and
+        the attention kernel over the causal runs of each row."""
         self.sp_size = dist.get_world_size(sp_group) if sp_group is not None else 1
         self.sp_group = sp_group if self.sp_size > 1 else None
         self.sp_rank = dist.get_rank(sp_group) if self.sp_group is not None else 0
@@ -159,6 +162,12 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
         # (docs/RESULTS.md); its left padding also makes fully masked query rows.
         self.flash_varlen = self.on_gpu and ulysses.flash_varlen_available()
         ulysses.register_attention()
+
+    def _prepare_model(self, model_folder: str, *, fsdp: FsdpConfig, value_model: bool, seed: int,
+                       trust_remote_code: bool, logits_chunk_tokens: int | None, moe_aux_coef: float,
+                       gradient_checkpointing: bool, lora: LoraConfig | None) -> torch.nn.Module:
+        """The model in fp32 on the host with this engine's pieces installed (attention, norms, the
+        log-prob or value head, gradient checkpointing, LoRA adapters), frozen unless trainable."""
         if value_model:
             model = load_value_model(model_folder, dtype=torch.float32, seed=seed, trust_remote_code=trust_remote_code,
                                      attn_implementation=ulysses.ATTENTION_NAME)
@@ -181,66 +190,62 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
         # log-probs at the requested positions, chunked over the vocab; or the critic's values there
         self._head = ValueHead.replace(model) if value_model else LogprobHead.replace(model)
         self.logits_chunk_tokens = logits_chunk_tokens or default_chunk_tokens(int(model.config.vocab_size))
-        self.fused_head = fused_available(device)  # compiled vocabulary kernels on CUDA (engine/head.py)
-        self.keep_logits_bytes = keep_logits_bytes(fsdp.keep_logits_gib, device)
-        self.reduce_every_micro_batch = mesh.size() > 1  # see _gradient_sync
-        # one rank: the plain module with compute copies of its weights (engine/mixed.py), not FSDP
-        self.sharded = fsdp.wrap_one_rank or mesh.size() > 1 or self.sp_group is not None
-        # a shard dimension of one rank: FSDP's per-layer gather is a copy (see _one_pass)
-        self.gather_once = (self.sharded and fsdp.gather_once and mesh.shape[-1] == 1
-                            and hasattr(FSDPModule, "set_reshard_after_forward"))
-        self._reshard_after_forward = fsdp.reshard_after_forward
-        if gradient_checkpointing and trainable:
+        self.fused_head = fused_available(self.device)  # compiled vocabulary kernels on CUDA (engine/head.py)
+        self.keep_logits_bytes = keep_logits_bytes(fsdp.keep_logits_gib, self.device)
+        if gradient_checkpointing and self.trainable:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if not trainable:
+        if not self.trainable:
             model.requires_grad_(False)
-        self.lora = lora if lora is not None and lora.enabled and trainable else None
+        self.lora = lora if lora is not None and lora.enabled and self.trainable else None
         self.peft = lora_utils.apply_lora(model, self.lora) if self.lora is not None else None
-        mixed = self.compute_dtype != torch.float32
-        if self.peft is not None and mixed:  # the frozen base computes in bf16 anyway: store it so
-            for p in model.parameters():
+        if self.peft is not None and self.compute_dtype != torch.float32:
+            for p in model.parameters():  # the frozen base computes in bf16 anyway: store it so
                 if not p.requires_grad:
                     p.data = p.data.to(self.compute_dtype)
-        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
-        for layer in _decoder_layers(model):
-            if fsdp.compile_layers:
-                layer.compile(dynamic=True)  # in place: module identity and parameter names stay
-            if self.sharded:
-                fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
-        if self.sharded:
-            fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=fsdp.reshard_after_forward)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
-        self.copies = None if self.sharded else ComputeCopies(model, self.compute_dtype)
-        model.to(device)
-        model.train(trainable)
+        return model
+
+    def _shard(self, model: torch.nn.Module, fsdp: FsdpConfig) -> None:
+        """``model`` under FSDP2 over the mesh, or the plain module with compute copies on one rank
+        (:func:`~spmd_rl.engine.sharding.shard_model`, as the reward model), moved to the device."""
+        self.reduce_every_micro_batch = self.mesh.size() > 1  # see _gradient_sync
+        # one rank: the plain module with compute copies of its weights (engine/mixed.py), not FSDP
+        self.sharded = fsdp.wrap_one_rank or self.mesh.size() > 1 or self.sp_group is not None
+        # a shard dimension of one rank: FSDP's per-layer gather is a copy (see _one_pass)
+        self.gather_once = (self.sharded and fsdp.gather_once and self.mesh.shape[-1] == 1
+                            and hasattr(FSDPModule, "set_reshard_after_forward"))
+        self._reshard_after_forward = fsdp.reshard_after_forward
+        self.copies = shard_model(model, mesh=self.mesh, compute_dtype=self.compute_dtype, sharded=self.sharded,
+                                  reshard_after_forward=fsdp.reshard_after_forward,
+                                  compile_layers=fsdp.compile_layers)
+        model.to(self.device)
+        model.train(self.trainable)
         self.model = model
         self.config = model.config
 
+    def _build_optimizer(self, actor: ActorConfig | None, *, total_updates: int, role: str) -> None:
+        """AdamW over the trainable parameters and its LR schedule (none for a frozen engine), the
+        gradient clip and the non-finite-update guard."""
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.grad_clip = 0.0
-        self.nonfinite = NonfiniteGuard(actor.skip_nonfinite_updates if actor is not None else 0,
-                                        role="critic" if value_model else "actor")
+        self.nonfinite = NonfiniteGuard(actor.skip_nonfinite_updates if actor is not None else 0, role=role)
         self.actor = actor  # this run's optimizer settings, which replace a checkpoint's (load_state_dict)
-        if trainable:
-            assert actor is not None
-            self.grad_clip = actor.grad_clip
-            self.optimizer = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad],
-                lr=actor.lr, betas=tuple(actor.betas), weight_decay=actor.weight_decay,
-                # fused on GPU (one kernel over all DTensor shards); the plain loop on CPU, where
-                # the fused/foreach paths lack kernels for DTensor shards
-                fused=self.on_gpu, foreach=False,
-            )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer,
-                lambda s: lr_lambda(s, warmup=actor.warmup_steps, total=total_updates,
-                                    schedule=actor.lr_schedule, min_ratio=actor.min_lr_ratio),
-            )
-        self.offload()
+        if not self.trainable:
+            return
+        assert actor is not None
+        self.grad_clip = actor.grad_clip
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=actor.lr, betas=tuple(actor.betas), weight_decay=actor.weight_decay,
+            # fused on GPU (one kernel over all DTensor shards); the plain loop on CPU, where
+            # the fused/foreach paths lack kernels for DTensor shards
+            fused=self.on_gpu, foreach=False,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_lambda(s, warmup=actor.warmup_steps, total=total_updates,
+                                schedule=actor.lr_schedule, min_ratio=actor.min_lr_ratio),
+        )
 
     # ------------------------------------------------------------------ forward
     def _stage(self, micro: RolloutBatch, rows: list[int] | None = None) -> Staged:
@@ -414,7 +419,7 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
             yield
             return
         # the layers and the root (embeddings, final norm, head), each without recursing
-        units = [m for m in _decoder_layers(self.model) if isinstance(m, FSDPModule)] + [self.model]
+        units = [m for m in decoder_layers(self.model) if isinstance(m, FSDPModule)] + [self.model]
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)
         self.model.set_reshard_after_backward(False)

@@ -31,11 +31,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from spmd_rl.config import RewardModelConfig
 from spmd_rl.data.prompts import has_chat_template, sample_messages
-from spmd_rl.engine.mixed import ComputeCopies
+from spmd_rl.engine.sharding import shard_model
 from spmd_rl.models import load_reward_model, resolve_model_path
 
 
@@ -95,15 +94,10 @@ class RewardInputs:
         return list(map(int, self.tokenizer(text, add_special_tokens=False)["input_ids"]))
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    layers = getattr(base, "layers", None)
-    return list(layers) if layers is not None else []
-
-
 class RewardModel:
-    """A Hugging Face sequence classifier with one output, sharded with FSDP2 over ``mesh``
-    (one unit per decoder layer plus the root; on a one-rank mesh the plain module), frozen. Every rank of the mesh calls
+    """A Hugging Face sequence classifier with one output, sharded with FSDP2 over ``mesh`` as the
+    training engine is (:mod:`spmd_rl.engine.sharding`: one unit per decoder layer plus the root; on
+    a one-rank mesh the plain module), frozen. Every rank of the mesh calls
     :meth:`score` with the same ``num_micro_batches``."""
 
     def __init__(self, *, folder: str, mesh: DeviceMesh, device: torch.device, micro_batch_size: int,
@@ -117,12 +111,8 @@ class RewardModel:
         self.vocab_size = int(text.vocab_size)
         self.pad_id = int(text.pad_token_id) if text.pad_token_id is not None else 0
         # one rank: the plain module with bf16 copies of its weights per call (spmd_rl/engine/mixed.py)
-        self.copies = ComputeCopies(model, torch.bfloat16 if self.on_gpu else torch.float32) if mesh.size() == 1 else None
-        if self.copies is None:
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.on_gpu else MixedPrecisionPolicy()
-            for layer in _decoder_layers(model):
-                fully_shard(layer, mesh=mesh, mp_policy=mp)
-            fully_shard(model, mesh=mesh, mp_policy=mp)
+        self.copies = shard_model(model, mesh=mesh, compute_dtype=torch.bfloat16 if self.on_gpu else torch.float32,
+                                  sharded=mesh.size() > 1, layers_required=False)
         model.to(device)
         self.model = model
         self._head_out: torch.Tensor | None = None
