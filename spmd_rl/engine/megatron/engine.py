@@ -117,8 +117,6 @@ class MegatronEngine(MegatronCheckpointing, MegatronOffload):
         ``ref.param_offload``). ``group``: the actor pool's group (None = the world)."""
         if trainable and actor is None:
             raise ValueError("a trainable MegatronEngine needs the actor config section")
-        from megatron.core import parallel_state as ps
-
         init_model_parallel(layout, seed=seed)
         self.device = device
         self.layout = layout
@@ -126,25 +124,7 @@ class MegatronEngine(MegatronCheckpointing, MegatronOffload):
         self.trainable = trainable
         self.pad_token_id = pad_token_id
         self.on_gpu = device.type == "cuda"
-        hf_model = load_causal_lm(model_folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
-        self.config = hf_model.config
-        self.spec = ModelSpec.from_hf(self.config)
-        check_layout(self.spec, layout)
-        padding_idx = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
-        hf_state = {name: p.detach() for name, p in hf_model.named_parameters()}  # tied: embed only
-        self.hf_shapes = {name: t.shape for name, t in hf_state.items()}
-        self.tf_config = transformer_config(
-            self.spec, layout, params_dtype=torch.float32, bf16=self.on_gpu,
-            sequence_parallel=megatron.sequence_parallel, batch_p2p_comm=batch_p2p_comm_for(layout))
-        chunks = build_chunks(self.spec, layout, self.tf_config)
-        load_hf_weights(chunks, self.spec, hf_state)
-        if padding_idx is not None:
-            for chunk in chunks:
-                if chunk.pre_process:
-                    chunk.embedding.register_forward_hook(_PaddingRowFrozen(padding_idx), with_kwargs=True)
-        del hf_model, hf_state
-        for chunk in chunks:
-            chunk.to(device)
+        chunks = self._load_chunks(model_folder, megatron=megatron, trust_remote_code=trust_remote_code)
         # the loaded fp32 weights, kept through the bf16 cast (the same tensors: no copy) to seed the
         # optimizer's fp32 main weights (see _main_params_from)
         fp32_weights = {p: p.data for chunk in chunks for p in chunk.parameters()} if self.on_gpu and trainable else {}
@@ -152,13 +132,7 @@ class MegatronEngine(MegatronCheckpointing, MegatronOffload):
             from megatron.core.transformer.module import Float16Module
 
             chunks = [Float16Module(self.tf_config, chunk) for chunk in chunks]
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.pp_group = ps.get_pipeline_model_parallel_group()
-        self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
-        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        self.vocab_local = self.spec.padded_vocab(layout.tp) // layout.tp
-        self.layers_per_chunk = self.spec.layers // (layout.pp * layout.vpp)
+        self._read_parallel_state()
 
         self.optimizer = None
         self.updates = 0
@@ -183,6 +157,45 @@ class MegatronEngine(MegatronCheckpointing, MegatronOffload):
         self.offload()
 
     # ------------------------------------------------------------------ setup
+    def _load_chunks(self, model_folder: str, *, megatron: MegatronConfig, trust_remote_code: bool,
+                     ) -> list[torch.nn.Module]:
+        """This rank's model chunks with the Hugging Face weights loaded, on the device (fp32): the
+        model's spec checked against the layout, megatron-core's transformer config, the padding
+        row of the embedding kept frozen."""
+        hf_model = load_causal_lm(model_folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        self.config = hf_model.config
+        self.spec = ModelSpec.from_hf(self.config)
+        check_layout(self.spec, self.layout)
+        padding_idx = getattr(hf_model.get_input_embeddings(), "padding_idx", None)
+        hf_state = {name: p.detach() for name, p in hf_model.named_parameters()}  # tied: embed only
+        self.hf_shapes = {name: t.shape for name, t in hf_state.items()}
+        self.tf_config = transformer_config(
+            self.spec, self.layout, params_dtype=torch.float32, bf16=self.on_gpu,
+            sequence_parallel=megatron.sequence_parallel, batch_p2p_comm=batch_p2p_comm_for(self.layout))
+        chunks = build_chunks(self.spec, self.layout, self.tf_config)
+        load_hf_weights(chunks, self.spec, hf_state)
+        if padding_idx is not None:
+            for chunk in chunks:
+                if chunk.pre_process:
+                    chunk.embedding.register_forward_hook(_PaddingRowFrozen(padding_idx), with_kwargs=True)
+        del hf_model, hf_state
+        for chunk in chunks:
+            chunk.to(self.device)
+        return chunks
+
+    def _read_parallel_state(self) -> None:
+        """This rank's tp / pp groups and place from megatron-core's parallel state, and the shapes
+        that follow from the layout (vocabulary shard, layers per chunk)."""
+        from megatron.core import parallel_state as ps
+
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.vocab_local = self.spec.padded_vocab(self.layout.tp) // self.layout.tp
+        self.layers_per_chunk = self.spec.layers // (self.layout.pp * self.layout.vpp)
+
     def _wrap_ddp(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
