@@ -134,7 +134,7 @@ class ActorUpdate:
                 return False
             logprobs, _ = self.engine.compute_logprobs(batch, temperature=self.temperature,
                                                        micro_batch_size=self.cfg.actor.micro_batch_size)
-            batch["old_logprobs"] = logprobs.float().cpu()
+            batch["old_logprobs"] = logprobs.cpu()
             if self.logs_rollout_gap:
                 log_rollout_gap(acc, logprobs, batch)
         weights, mask = self._correction(batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"], acc)
@@ -151,7 +151,7 @@ class ActorUpdate:
         algo = self.cfg.algo
         try:
             weights, new_mask, metrics = rollout_correction(
-                old.float(), rollout.float(), mask, is_level=algo.rollout_is_level,
+                old, rollout, mask, is_level=algo.rollout_is_level,
                 is_threshold=algo.rollout_is_threshold, is_batch_normalize=algo.rollout_is_batch_normalize,
                 rs=algo.rollout_rs, rs_threshold=algo.rollout_rs_threshold, group=self.group,
                 sum_weight=self.sum_weight)
@@ -201,7 +201,7 @@ class ActorUpdate:
                 if self.logs_rollout_gap:
                     pending.extend(rollout_gap(old, micro))
                 if stash is not None:
-                    stash.append((old.float(), micro["rollout_logprobs"].to(device).float(), response_mask))
+                    stash.append((old, micro["rollout_logprobs"].to(device), response_mask))
             for key, value in metrics.items():
                 pending.append((key, value.detach(), None if key in GLOBAL_PARTS else tokens))
             return loss, metrics

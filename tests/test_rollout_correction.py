@@ -344,3 +344,76 @@ def test_ranks_match_one_process(world: int, cuts: list[int], duplicate: bool) -
             assert results[r][i][2].keys() == met.keys()
             for k, v in met.items():
                 assert results[r][i][2][k] == pytest.approx(v, rel=1e-9, abs=1e-12), (r, k)
+
+
+# --------------------------------------------------------------------------- the update (ActorUpdate, a fake engine)
+
+
+class _Engine:
+    """Runs ``loss_fn`` on each micro-batch with the rows' stored "current" log-probs (``_lp``)."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.forwards = 0
+
+    def micro_batches(self, mini, *, micro_batch_size):
+        return list(mini.split(micro_batch_size))
+
+    def compute_logprobs(self, batch, *, temperature, micro_batch_size, with_entropy=False):
+        self.forwards += 1
+        return batch["_lp"].clone(), None
+
+    def train_mini_batch(self, micros, loss_fn, *, temperature, need_entropy_grad):
+        for micro in micros:
+            loss, _ = loss_fn(micro["_lp"].clone().requires_grad_(True), None, micro)
+            self.losses.append(loss.detach())
+        return {"grad_norm": 0.0, "lr": 0.0}
+
+
+def _update_batch():
+    from spmd_rl.data.batch import RolloutBatch
+
+    old, rollout, mask = _case(7, rows=8, width=6)
+    adv = torch.randn(8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    return RolloutBatch(prompts=[[1, 2]] * 8, tensors={"response_mask": mask, "rollout_logprobs": rollout,
+                                                       "advantages": adv, "_lp": old})
+
+
+@pytest.mark.parametrize("algo_kw", [
+    dict(rollout_is="sequence", rollout_is_threshold="0.3_4.0", rollout_is_batch_normalize=True,
+         rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold="0.6_1.6,0.3"),
+    dict(rollout_is="token", rollout_is_threshold=1.5),
+])
+def test_update_drops_rejected_tokens_from_loss_and_counts(algo_kw) -> None:
+    """The update's loss, summed over micro-batches, is the objective of the whole batch over the mask
+    after rejection, weighted by the step's (batch-normalised) weights, and divided by the kept tokens."""
+    from spmd_rl.actor import ActorUpdate
+    from spmd_rl.algo.objective import actor_objective
+    from spmd_rl.config import Config
+    from spmd_rl.metrics import MetricAccumulator
+
+    cfg = Config()
+    cfg.algo.use_kl_loss = False
+    for k, v in algo_kw.items():
+        setattr(cfg.algo, k, v)
+    cfg.actor.micro_batch_size = 3
+    engine, acc, batch = _Engine(), MetricAccumulator(), _update_batch()
+    ActorUpdate(engine, cfg=cfg, mini_batches=1, sum_weight=1.0, group=None, device=torch.device("cpu"),
+                temperature=1.0, logs_rollout_gap=True)(batch, acc)
+    old, rollout, mask = batch["_lp"], batch["rollout_logprobs"], batch["response_mask"]
+    w, kept, met = rollout_correction(old, rollout, mask, is_level=cfg.algo.rollout_is_level,
+                                      is_threshold=cfg.algo.rollout_is_threshold,
+                                      is_batch_normalize=cfg.algo.rollout_is_batch_normalize,
+                                      rs=cfg.algo.rollout_rs, rs_threshold=cfg.algo.rollout_rs_threshold)
+    want, _ = actor_objective(old, None, old_logprobs=old, advantages=batch["advantages"], response_mask=kept,
+                              ref_logprobs=None, algo=cfg.algo, global_tokens=kept.sum().item(), global_seqs=8.0,
+                              rollout_logprobs=rollout, is_weights=w)
+    assert sum(engine.losses).item() == pytest.approx(want.item(), rel=1e-9)
+    assert engine.forwards == (1 if cfg.algo.rollout_rs else 0)  # the old log-probs the rejection needs
+    got = acc.reduce()
+    for k, v in met.items():
+        assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+    assert "rollout/logprob_abs_diff" in got and "rollout/is_weight_mean" in got
+    if cfg.algo.rollout_rs:
+        assert kept.sum() < mask.sum() and 0 < got["rollout_corr/rollout_rs_masked_fraction"] < 1
+    assert "loss_mask" not in batch and "is_weights" not in batch  # the step's correction is the update's only
