@@ -1,5 +1,10 @@
-"""Test setup: make `tests/` importable (for `support.*`), keep model caches in one place, and
-undo the logging set-up of entry points run in-process."""
+"""Test setup: make `tests/` importable (for `support.*`), keep model caches in one place, keep
+CUDA uninitialised in the test processes, and undo the logging set-up of entry points run in-process.
+
+Devices: a test says what it needs. CPU tests run their ranks and subprocesses with the GPUs hidden
+(``spmd_rl.distributed.testing``: ``run_distributed``, ``run_program``, ``cpu_env`` for the
+subprocesses a test starts), so they run on CPU and gloo on any machine; CUDA tests skip without a
+GPU (``support.devices``) and start their ranks with ``spawn``."""
 
 from __future__ import annotations
 
@@ -12,6 +17,10 @@ sys.path.insert(0, HERE)
 # One cache for the whole session (and for subprocesses that tests start): built-in models are
 # materialised once. CI may point this elsewhere.
 os.environ.setdefault("SPMD_RL_CACHE", os.path.join(REPO, ".cache", "models"))
+# ``torch.cuda.is_available()`` (the skip conditions, product code run in-process) counts devices
+# through NVML instead of initialising the CUDA driver: a process that initialised it cannot fork
+# children that use CUDA, and every subprocess inherits the setting.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 
 import logging  # noqa: E402

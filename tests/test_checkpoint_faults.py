@@ -29,7 +29,7 @@ from spmd_rl.checkpoint_files import (
     LOCK, MANIFEST, CorruptCheckpoint, OutputDirInUse, list_checkpoints, lock_output_dir, unlock_output_dir,
 )
 from spmd_rl.config import CheckpointConfig
-from spmd_rl.distributed.testing import free_port, run_distributed, run_program
+from spmd_rl.distributed.testing import cpu_env, free_port, run_distributed, run_program
 from test_train_e2e import TINY
 
 TABLE = [{"rank": 0, "host": "h", "device": "cpu"}]
@@ -42,7 +42,7 @@ def torchrun(out_dir: Path, *flags: str, nproc: int = 2, env: dict | None = None
         return run_program("spmd_rl.train", [*TINY, "--trainer.output-dir", str(out_dir), *flags], nproc=nproc,
                            env=dict(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **(env or {})),
                            cwd=REPO, timeout=300)
-    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **(env or {}))
+    environ = cpu_env(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port()), "-m", "spmd_rl.train", *TINY, "--trainer.output-dir", str(out_dir), *flags]
     return subprocess.Popen(cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import REPO
+from spmd_rl.distributed.testing import cpu_env
 
 PROMPT = re.compile(r"^[\w.-]+\$\s+")  # "node0$ launch/multi_node.sh ..." -> the command
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
@@ -178,7 +179,7 @@ def test_documented_command_runs(command: Command) -> None:
     # as written, from the repository root, with this interpreter's bin/ first on PATH (python,
     # python3 and spmd-rl-layout are this environment's, also when it is a venv that is not activated)
     bindir = os.path.dirname(sys.executable)
-    env = dict(os.environ, PATH=os.pathsep.join([bindir, os.environ.get("PATH", "")]), OMP_NUM_THREADS="1",
+    env = cpu_env(PATH=os.pathsep.join([bindir, os.environ.get("PATH", "")]), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     env.pop("PYTHON", None)  # launch/check_layout.sh: python3 from PATH
     proc = subprocess.run(["bash", "-c", command.line], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -7,6 +7,7 @@ import torch
 
 from spmd_rl.engine.head import HeadRequest, LogprobHead, chunked_logprobs, default_chunk_tokens
 from spmd_rl.models import load_causal_lm, resolve_model_path
+from support.devices import cuda
 from support.reference import entropy_from_logits, logprobs_from_logits
 
 
@@ -114,8 +115,7 @@ def test_head_replaces_the_linear_and_keeps_ties() -> None:
     assert default_chunk_tokens(151936) == 1766 and default_chunk_tokens(10) == 2 ** 28 // 10
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("entropy", ["grad", "detached"])
 def test_fused_kernels_equal_the_eager_path(dtype: torch.dtype, entropy: str, device: str) -> None:

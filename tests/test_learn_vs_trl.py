@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from conftest import REPO
+from spmd_rl.distributed.testing import cpu_env
 from support.deps import needs
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
@@ -56,8 +57,7 @@ def test_cpu_smoke_all_sides(tmp_path):
     """Ours at S=0 and S=1 (a rollout pool) and TRL's GRPOTrainer each train 2 steps of a tiny model on the
     CPU with validation every step: one table, JSON lines with increasing training seconds per side."""
     out = tmp_path / "curves.jsonl"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
-               OMP_NUM_THREADS="1")
+    env = cpu_env(PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "bench/learn_vs_trl.py", "--device", "cpu", "--model", "tiny", "--steps", "2",
          "--val-every", "1", "--prompts", "2", "--n", "4", "--max-new-tokens", "8", "--val-size", "8",

@@ -31,7 +31,7 @@ from spmd_rl.config import ActorConfig, FsdpConfig, LoraConfig, load_config
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.distributed.dims import FsdpLayout
 from spmd_rl.plan import plan
-from spmd_rl.distributed.testing import run_distributed, run_program
+from spmd_rl.distributed.testing import cpu_env, run_distributed, run_program
 from spmd_rl.engine.fsdp import FSDPEngine
 from spmd_rl.engine.lora import FrozenBase, is_adapter_key
 from spmd_rl.models import load_causal_lm, resolve_model_path
@@ -160,7 +160,7 @@ TINY = [
 
 
 def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
+    env = cpu_env(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT\n{proc.stdout[-3000:]}\nSTDERR\n{proc.stderr[-6000:]}"
     return proc

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from conftest import HERE, REPO
-from spmd_rl.distributed.testing import free_port
+from spmd_rl.distributed.testing import cpu_env, free_port
 from support.launchers import STEPS, communicate_or_kill, metric_steps, rank_table, short_run
 
 LAUNCH = os.path.join(REPO, "launch")
@@ -28,8 +28,7 @@ TIMEOUT_S = 240
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), PYTHON=sys.executable,
-                OMP_NUM_THREADS="1", **extra)
+    return cpu_env(PYTHONPATH=os.pathsep.join([REPO, HERE]), PYTHON=sys.executable, OMP_NUM_THREADS="1", **extra)
 
 
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:

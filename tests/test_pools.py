@@ -22,7 +22,7 @@ import torch
 from conftest import HERE, REPO
 from spmd_rl.distributed.bridge import RowRoute, WeightBridge, recv_rows, send_rows
 from spmd_rl.distributed.comm import RemoteFailure
-from spmd_rl.distributed.testing import free_port, run_distributed, run_program
+from spmd_rl.distributed.testing import cpu_env, free_port, run_distributed, run_program
 from support.tiny import tiny_model_folder
 from test_train_e2e import TINY, read_metrics
 
@@ -30,7 +30,7 @@ STEPS = ["--trainer.total-steps", "3", "--trainer.val-every", "2"]
 
 
 def launch(out_dir: str, *flags: str, nproc: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
+    env = cpu_env(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port()), "-m", "spmd_rl.train", *TINY, "--trainer.output-dir", out_dir, *flags]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)

@@ -24,7 +24,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import HERE, REPO
-from spmd_rl.distributed.testing import free_port
+from spmd_rl.distributed.testing import cpu_env, free_port
 from spmd_rl.distributed.watchdog import Watchdog, format_ranks
 from test_train_e2e import TINY
 
@@ -201,7 +201,7 @@ ONE_STEP = ["--trainer.total-steps", "1", "--data.val-size", "0", "--checkpoint.
 
 
 def start(out_dir: str, *flags: str, env: dict | None = None, log_path: str) -> subprocess.Popen:
-    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **(env or {}))
+    environ = cpu_env(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "spmd_rl.train", *TINY, "--trainer.output-dir", out_dir, *flags]
     log = open(log_path, "w")

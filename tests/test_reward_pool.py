@@ -30,7 +30,7 @@ import torch
 
 from conftest import HERE, REPO
 from spmd_rl.config import ActorConfig, Config, DataConfig, PoolsConfig, RewardConfig, RewardModelConfig, load_config
-from spmd_rl.distributed.testing import free_port, run_distributed, run_program
+from spmd_rl.distributed.testing import cpu_env, free_port, run_distributed, run_program
 
 CACHE = os.environ["SPMD_RL_CACHE"]
 RM = RewardModelConfig(path="tiny-random-rm", micro_batch_size=2)
@@ -240,7 +240,7 @@ TINY = [
 
 
 def torchrun(out_dir: str, *flags: str, timeout: int) -> tuple[subprocess.CompletedProcess, float]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
+    env = cpu_env(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
            "-m", "spmd_rl.train", *TINY, "--trainer.output-dir", out_dir, *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)

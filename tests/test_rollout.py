@@ -18,9 +18,10 @@ from spmd_rl.models.builtin import SMOLLM2_NAME
 from spmd_rl.rollout import GenerationOutput, NativeRollout, RolloutEngine, build_rollout
 from spmd_rl.rollout.native import filter_logits, sample_next
 from support import deps
+from support.devices import cuda
 from support.numerics import perturbed_copy
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
 MESSAGES = ["What is 2+3?", "Hi", "Please add 17 and 25, then explain the result in words.", "7*8?"]
 SAMPLING = dict(temperature=0.7, top_p=1.0, top_k=0, max_new_tokens=24)
 

@@ -27,9 +27,10 @@ from spmd_rl.rollout import GenerationOutput, NativeRollout
 from spmd_rl.rollout import fast
 from spmd_rl.rollout.fast import FastDecoder, batch_buckets
 from spmd_rl.rollout.sampling import inverse_cdf
+from support.devices import cuda
 from support.numerics import perturbed_copy
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = cuda
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 VOCAB = 101
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import HERE, REPO
-from spmd_rl.distributed.testing import free_port
+from spmd_rl.distributed.testing import cpu_env, free_port
 from support.launchers import STEPS, metric_steps, rank_table, short_run
 
 CLUSTER = os.path.join(HERE, "support", "slurm_cluster.sh")
@@ -71,7 +71,7 @@ def slurm(tmp_path_factory):
     printed = dict(line.split("=", 1) for line in started.stdout.split() if "=" in line)
     client = ["nsenter", f"--net=/run/netns/{printed['SLURM_NETNS']}"] if "SLURM_NETNS" in printed else []
     try:
-        yield Cluster(nodes=nodes, env=dict(os.environ, SLURM_CONF=printed["SLURM_CONF"]), client=client)
+        yield Cluster(nodes=nodes, env=cpu_env(SLURM_CONF=printed["SLURM_CONF"]), client=client)
     finally:
         subprocess.run([CLUSTER, "stop", state], capture_output=True, timeout=60)
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from conftest import HERE, REPO
-from spmd_rl.distributed.testing import free_port, run_program
+from spmd_rl.distributed.testing import cpu_env, free_port, run_program
 
 TINY = [
     "--model.path", "tiny-random", "--data.task", "arithmetic", "--data.train-batch-size", "8", "--data.val-size", "16",
@@ -24,7 +24,7 @@ TINY = [
 
 
 def torchrun(out_dir: str, *flags: str, nproc: int = 2, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
+    env = cpu_env(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), "-m", "spmd_rl.train", *TINY, "--trainer.output-dir", out_dir, *flags]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)

@@ -32,7 +32,7 @@ import torch
 
 from conftest import HERE, REPO
 from spmd_rl.distributed.dims import RolloutLayout
-from spmd_rl.distributed.testing import free_port
+from spmd_rl.distributed.testing import cpu_env, free_port
 from support.tiny import tiny_model_folder
 
 VLLM_PYTHON = os.environ.get("SPMD_RL_VLLM_PYTHON",
@@ -57,7 +57,7 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason=f"no vLLM at {VLLM_PYTHON}
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **extra)
+    return cpu_env(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **extra)
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: int = 600) -> None:

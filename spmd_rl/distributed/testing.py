@@ -19,6 +19,14 @@ The processes are forked from a server that imported torch, transformers and the
 (``forkserver`` with those modules preloaded), not spawned: a spawned process spends seconds
 importing them again, and a test suite starts hundreds. Forking that server is safe where forking
 the caller is not: it has run no tensor operation, so it has no OpenMP or gloo threads.
+
+Devices: these ranks are CPU processes whatever the machine has. The server and every rank run with
+``CUDA_VISIBLE_DEVICES=""`` (:func:`cpu_env`), so a rank on a GPU host picks the CPU and gloo as on a
+machine without one, and nothing the server imports can initialise CUDA before it forks (a forked
+child cannot use a CUDA driver its parent initialised). ``run_distributed(..., backend="nccl")``
+is the CUDA case: its ranks are spawned (never forked) and see the GPUs; :func:`cuda_devices`
+counts them without initialising CUDA, for a test's skip condition. Subprocesses that a CPU test
+starts itself (``torchrun``, scripts) take ``env=cpu_env(...)``.
 """
 
 from __future__ import annotations
@@ -39,6 +47,23 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+CPU_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+"""What makes a process a CPU process on any machine: it sees no GPU, so ``trainer.device auto``
+picks the CPU, the world's backend is gloo, and megatron's CPU test shims apply."""
+
+
+def cpu_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a CPU test process: ``base`` (default: this process's environment) plus
+    ``extra``, with the GPUs hidden."""
+    return {**(os.environ if base is None else base), **extra, **CPU_ENV}
+
+
+def cuda_devices() -> int:
+    """How many CUDA devices this process could use, counted through NVML where torch can (which
+    leaves CUDA uninitialised, as ``torch.cuda.is_available()`` does not); 0 on a CPU-only torch."""
+    return torch.cuda.device_count()
 
 
 def free_port() -> int:
@@ -63,6 +88,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
             args: tuple, queue: Any, timeout_s: float, environ: dict[str, str]) -> None:
     os.environ.clear()  # the server's environment is from when it started; the caller's is now
     os.environ.update(environ)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
@@ -82,8 +109,22 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
 
 
 def _context() -> Any:
+    """The fork server's context, the server started (once per process) with the GPUs hidden: it
+    imports torch and megatron, and whatever they ask of CUDA there must leave its children free."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    from multiprocessing import forkserver
+
+    saved = {k: os.environ.get(k) for k in CPU_ENV}
+    os.environ.update(CPU_ENV)  # the server inherits this process's environment when it starts
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return ctx
 
 
@@ -113,7 +154,7 @@ def _read(path: str, missing: str) -> str:
 def run_program(module: str, argv: list[str], *, nproc: int, env: dict[str, str] | None = None,
                 cwd: str | None = None, timeout: float = 600.0, grace_s: float = 10.0) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node nproc -m module *argv``, without torchrun: ``module.main(argv)`` on
-    ``nproc`` forked ranks with a torchrun-style environment (plus ``env``). Returns a
+    ``nproc`` forked CPU ranks (:func:`cpu_env`) with a torchrun-style environment (plus ``env``). Returns a
     ``CompletedProcess`` whose stdout / stderr are the ranks' own, rank by rank, and whose
     ``returncode`` is the first failing rank's status (0 when all succeed). As torchrun does, the
     other ranks are killed ``grace_s`` after the first fails; ``subprocess.TimeoutExpired`` after
@@ -124,7 +165,7 @@ def run_program(module: str, argv: list[str], *, nproc: int, env: dict[str, str]
     with tempfile.TemporaryDirectory(prefix="spmd_rl_run_") as logs:
         procs = []
         for r in range(nproc):
-            environ = dict(os.environ, **(env or {}), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
+            environ = cpu_env(**(env or {}), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
                            LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             files = (os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err"))
             procs.append(ctx.Process(target=_program_worker, args=(module, argv, environ, cwd, *files)))
@@ -157,12 +198,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return results by rank.
 
     ``fn`` and ``args`` must be picklable (a module-level function). Raises ``RuntimeError`` with
-    the first failing rank's traceback.
+    the first failing rank's traceback. With ``backend="gloo"`` the ranks are forked CPU processes
+    (:func:`cpu_env`); with ``"nccl"`` they are spawned, rank ``r`` on GPU ``r % cuda_devices()``
+    (the caller skips when it has too few: :func:`cuda_devices`).
     """
-    ctx = _context()
+    if backend == "nccl":
+        ctx, environ = mp.get_context("spawn"), dict(os.environ)
+    else:
+        ctx, environ = _context(), cpu_env()
     queue = ctx.Queue()
     port = free_port()
-    environ = dict(os.environ)
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, timeout_s, environ))
         for r in range(world_size)

@@ -90,7 +90,11 @@ def install_megatron_cpu_shims() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    assert not torch.cuda.is_available(), "the megatron CPU shims are for CPU-only test processes"
+    # The condition is "this process runs on the CPU", not "the machine has no GPU": CPU test
+    # processes are started with the GPUs hidden (spmd_rl.distributed.testing.cpu_env), also on a GPU host.
+    assert not torch.cuda.is_available(), (
+        "the megatron CPU shims are for CPU test processes: start this one with CUDA_VISIBLE_DEVICES='' "
+        "(spmd_rl.distributed.testing's run_distributed / run_program / cpu_env do)")
     cpu = torch.device("cpu")
     torch.cuda.current_device = lambda: cpu  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
