@@ -417,3 +417,40 @@ def test_update_drops_rejected_tokens_from_loss_and_counts(algo_kw) -> None:
     if cfg.algo.rollout_rs:
         assert kept.sum() < mask.sum() and 0 < got["rollout_corr/rollout_rs_masked_fraction"] < 1
     assert "loss_mask" not in batch and "is_weights" not in batch  # the step's correction is the update's only
+
+
+# --------------------------------------------------------------------------- flags
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--algo.rollout-rs", "seq_max_k9", "--algo.rollout-rs-threshold", "1"], "algo.rollout_rs: unknown rejection option 'seq_max_k9'"),
+    (["--algo.rollout-rs", "token_k1,seq_max_k2", "--algo.rollout-rs-threshold", "0.5_2,1,3"],
+     "algo.rollout_rs_threshold has 3 entries for the 2 options of algo.rollout_rs"),
+    (["--algo.rollout-rs", "token_k3"], "algo.rollout_rs=token_k3 needs algo.rollout_rs_threshold"),
+    (["--algo.rollout-rs-threshold", "2"], "algo.rollout_rs_threshold=2 is set but algo.rollout_rs is not"),
+    (["--algo.rollout-is", "token", "--algo.rollout-is-threshold", "abc"], "algo.rollout_is_threshold must be a number"),
+    (["--algo.rollout-is-batch-normalize"], "algo.rollout_is_batch_normalize normalises importance weights"),
+    (["--algo.rollout-is", "token_truncated", "--algo.rollout-is-cap", "0.5"], "algo.rollout_is_cap must be >= 1, got 0.5"),
+])
+def test_flags_refused_by_name(flags, message) -> None:
+    from spmd_rl.config import load_config
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(flags)
+
+
+def test_flags_and_old_yaml_load(tmp_path) -> None:
+    from spmd_rl.config import load_config, to_yaml
+
+    cfg = load_config(["--algo.rollout-is", "sequence", "--algo.rollout-is-threshold", "0.5_5.0",
+                       "--algo.rollout-is-batch-normalize", "--algo.rollout-rs", "token_k1,seq_max_k2",
+                       "--algo.rollout-rs-threshold", "0.5_2.0,0.3"])
+    assert (cfg.algo.rollout_is_level, cfg.algo.rollout_is_threshold, cfg.algo.rollout_rs_threshold) == \
+        ("sequence", "0.5_5.0", "0.5_2.0,0.3")
+    old = tmp_path / "old.yaml"
+    old.write_text("algo:\n  rollout_is: token_truncated\n  rollout_is_cap: 3.0\n")
+    cfg = load_config(["--config", str(old)])
+    assert (cfg.algo.rollout_is_level, float(cfg.algo.rollout_is_threshold)) == ("token", 3.0)
+    again = tmp_path / "again.yaml"
+    again.write_text(to_yaml(cfg))
+    assert load_config(["--config", str(again)]).algo == cfg.algo

@@ -280,6 +280,8 @@ class AlgoConfig:
                 check()
             except ValueError as e:
                 _check(False, str(e))
+        _check(self.rollout_is != "none" or not self.rollout_is_batch_normalize,
+               "algo.rollout_is_batch_normalize normalises importance weights: set --algo.rollout-is token or sequence")
         _check(self.rollout_rs is not None or self.rollout_rs_threshold is None,
                f"algo.rollout_rs_threshold={self.rollout_rs_threshold} is set but algo.rollout_rs is not")
 
