@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from spmd_rl.models import (
-    build_char_tokenizer, decode_responses, eos_token_ids, load_causal_lm, load_tokenizer, model_flops_per_token,
-    resolve_model_path, response_tokens,
+    build_char_tokenizer, decode_responses, decode_tokens, eos_token_ids, load_causal_lm, load_tokenizer,
+    model_flops_per_token, resolve_model_path, response_tokens,
 )
 from spmd_rl.distributed import testing
 from spmd_rl.models import builtin
@@ -132,7 +132,7 @@ def test_decode_responses_reads_the_masked_tokens_of_each_row() -> None:
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     assert response_tokens(ids, mask) == [ids[0, :3].tolist(), ids[1, :2].tolist()]
     assert decode_responses(tok, ids, mask) == ["ab", "xy"]
-    assert decode_responses(tok, ids[:0], mask[:0]) == []
+    assert decode_responses(tok, ids[:0], mask[:0]) == [] and decode_tokens(tok, []) == []
 
 
 def test_chat_template_renders(tiny_folder: str) -> None:

@@ -29,8 +29,8 @@ _LAZY = {
     **dict.fromkeys(("BUILTIN_NAMES", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "TinyShape", "cache_root",
                      "materialise_gguf", "materialise_smollm2", "materialise_tiny_random",
                      "materialise_tiny_random_rm"), "builtin"),
-    **dict.fromkeys(("build_char_tokenizer", "decode_responses", "eos_token_ids", "load_tokenizer", "response_tokens"),
-                    "tokenizer"),
+    **dict.fromkeys(("build_char_tokenizer", "decode_responses", "decode_tokens", "eos_token_ids", "load_tokenizer",
+                     "response_tokens"), "tokenizer"),
 }
 
 
@@ -138,6 +138,6 @@ __all__ = [
     "check_sliding_window",
     "sliding_window",
     "BUILTIN_NAMES", "FlopsModel", "SMOLLM2_NAME", "TINY_NAME", "TINY_RM_NAME", "build_char_tokenizer",
-    "decode_responses", "eos_token_ids", "load_causal_lm", "load_reward_model", "load_tokenizer",
+    "decode_responses", "decode_tokens", "eos_token_ids", "load_causal_lm", "load_reward_model", "load_tokenizer",
     "model_flops_per_token", "response_tokens", "resolve_model_path",
 ]
