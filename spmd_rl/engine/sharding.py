@@ -44,8 +44,8 @@ def shard_model(model: torch.nn.Module, *, mesh: DeviceMesh, compute_dtype: torc
     """Wrap ``model`` in place (module docstring); returns the compute copies of the plain module when
     not ``sharded``, else None. ``compile_layers``: each decoder layer through ``torch.compile`` in
     place (module identity and parameter names stay), sharded or not."""
-    mixed = compute_dtype != torch.float32
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    mp = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+          if compute_dtype != torch.float32 else MixedPrecisionPolicy())
     for layer in decoder_layers(model, required=layers_required):
         if compile_layers:
             layer.compile(dynamic=True)

@@ -226,7 +226,7 @@ class _FastStream:
 
     def unfinished(self, live: list[int]) -> list[tuple[Hashable, torch.Tensor, torch.Tensor]]:
         """``(key, tokens so far, logprobs)`` of the ``live`` handles, then of the queued ones (none)."""
-        out = [(self.keys[h], tokens, logprobs) for h, (tokens, logprobs) in zip(live, self._outputs(live))] if live else []
+        out = [(self.keys[h], *row) for h, row in zip(live, self._outputs(live))] if live else []
         return out + [(self.keys[h], torch.zeros(0, dtype=torch.long), torch.zeros(0)) for h in self.queue[::-1]]
 
 
