@@ -162,8 +162,6 @@ class RolloutLink(ServiceLink):
         self.last_transfer: TransferStats | None = None
         self.rounds: list[Round] = []  # the queue between the pools, oldest first
         self.max_in_flight: int | None = None  # its bound (the trainer's: S + 1 training rounds + a validation one)
-        self.groups_received = 0  # rollout.stream: groups the controller took (spmd_rl.rollout.pool_stream)
-        self.rollout_busy: dict[int, float] = {}  # rollout.stream: per rollout rank, its seconds generating so far
 
     @property
     def rollout_ranks(self) -> list[int]:

@@ -1,9 +1,9 @@
 """Groups streamed from the rollout pool to the actor pool (``rollout.stream``, asynchronous GRPO).
 
     # actor-pool ranks (the trainer)
-    issue_stream(link, prompts, sampling, round_=r, num_prompts=B, pad_token_id=pad)   # the controller sends
-    taken = take_groups(link, count=B, policy_version=v, max_staleness=S, actor_group=g,
-                        reissue=fn)                 # every actor rank: the next B complete groups
+    stream = GroupStream(link, pad_token_id=pad)
+    stream.issue(prompts, sampling, round_=r, num_prompts=B)     # the controller sends (None elsewhere)
+    taken = stream.take(count=B, policy_version=v, max_staleness=S, actor_group=g)   # every actor rank
     # rollout-pool ranks
     StreamServer(link=link, engine=engine, ...).serve()
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,7 +91,7 @@ class Taken:
 
     groups: list[tuple[int, int]]  # (round, position), sorted: the step's prompt order
     dropped: list[tuple[int, int]]  # too stale: their prompts were issued again
-    reissued: list[tuple[int, list[Any]]]  # (round, what the trainer's reissue returned for it)
+    reissued: list[tuple[int, list[tuple[int, int]]]]  # (new round, the dropped groups whose prompts it holds)
     queue_depth: int
     rollout_busy_s: float  # the most seconds a rollout rank generated since the previous take
     rows: tuple[int, int]  # this rank's [start, end) of the step's rows
@@ -100,97 +100,127 @@ class Taken:
 
 # ---------------------------------------------------------------------------------------- actor side
 
-def issue_stream(link: RolloutLink, prompts: list[list[int]] | None, sampling: dict[str, Any], *, round_: int,
-                 num_prompts: int, pad_token_id: int) -> None:
-    """Add ``num_prompts`` prompts (on the controller; None elsewhere) to the rollout pool's stream,
-    a ceil-sized share per rollout replica. Not collective: only the controller sends."""
-    if link.rank != CONTROLLER:
-        return
-    # kind "stream": a ceil-sized share per replica, as the server's prompts_of routes it (even shares: "train")
-    link.command("stream", {"kind": "stream", "round": round_, "num_prompts": num_prompts,
-                             "pad_token_id": pad_token_id, **sampling})
-    route = RowRoute(sources={CONTROLLER: (0, num_prompts)}, dests=link.routes.prompt_ranges(num_prompts, even=False))
-    link.hold(send_rows(route, pack_prompts(prompts), first_row=0, wait=False))
+class GroupStream:
+    """The actor pool's end of the stream, on every actor rank (module docstring). The controller
+    keeps each issued prompt until its group is taken, so that a group too stale to train on is
+    issued again here, as a new round; every rank learns of it from :attr:`Taken.reissued`."""
 
+    def __init__(self, link: RolloutLink, *, pad_token_id: int) -> None:
+        self.link, self.pad_token_id = link, pad_token_id
+        self.last_round = 0  # the newest round issued (a round issued again takes the next number)
+        self.prompts: dict[tuple[int, int], list[int]] = {}  # controller: (round, position) -> prompt ids
+        self.sampling: dict[int, dict[str, Any]] = {}  # controller: each live round's sampling settings
+        self.received = 0  # groups the controller received
+        self.busy: dict[int, float] = {}  # per rollout rank, its seconds generating so far
 
-def take_groups(link: RolloutLink, *, count: int, policy_version: int, max_staleness: int,
-                actor_group: dist.ProcessGroup | None,
-                reissue: Callable[[list[tuple[int, int]]], tuple[int, list[Any]]]) -> Taken:
-    """Every actor rank: the next ``count`` complete groups, this rank's rows of them in the actor
-    layout. On the controller, ``reissue(keys)`` issues the prompts of dropped groups again and
-    returns ``(round, record)``; the other ranks get the record in :attr:`Taken.reissued`."""
-    spec = response_spec(0)
-    meta: dict[str, Any] = {}
-    if link.rank == CONTROLLER:
+    def issue(self, prompts: list[list[int]] | None, sampling: dict[str, Any], *, round_: int,
+              num_prompts: int) -> None:
+        """Add round ``round_``'s ``num_prompts`` prompts (on the controller; None elsewhere) to the
+        rollout pool's stream, a ceil-sized share per rollout replica. Only the controller sends."""
+        self.last_round = max(self.last_round, round_)
+        if self.link.rank != CONTROLLER:
+            return
+        assert prompts is not None and len(prompts) == num_prompts
+        self.sampling[round_] = sampling
+        self.prompts.update(((round_, position), ids) for position, ids in enumerate(prompts))
+        # kind "stream": a ceil-sized share per replica, as the server's prompts_of routes it (even shares: "train")
+        self.link.command("stream", {"kind": "stream", "round": round_, "num_prompts": num_prompts,
+                                     "pad_token_id": self.pad_token_id, **sampling})
+        route = RowRoute(sources={CONTROLLER: (0, num_prompts)},
+                         dests=self.link.routes.prompt_ranges(num_prompts, even=False))
+        self.link.hold(send_rows(route, pack_prompts(prompts), first_row=0, wait=False))
+
+    def take(self, *, count: int, policy_version: int, max_staleness: int,
+             actor_group: dist.ProcessGroup | None) -> Taken:
+        """Every actor rank: the next ``count`` complete groups no more than ``max_staleness``
+        versions behind ``policy_version``, this rank's rows of them in the actor layout."""
+        controller = self.link.rank == CONTROLLER
+        meta, tensors = self._receive(count, policy_version, max_staleness) if controller else (None, None)
+        meta = broadcast_object(meta, src=CONTROLLER, group=actor_group)
+        if "error" in meta:
+            raise RemoteFailure(*meta["error"])
+        for round_, _ in meta["reissued"]:
+            self.last_round = max(self.last_round, round_)
+        rows = meta["n"] * len(meta["groups"])
+        dests = self.link.routes.actor_ranges(rows, by_dp=True)
+        route = RowRoute(sources={CONTROLLER: (0, rows)}, dests={r: s for r, s in dests.items() if r != CONTROLLER})
+        if controller:
+            send_rows(route, tensors, first_row=0)
+            a, b = dests[CONTROLLER]
+            mine = {k: v[a:b] for k, v in tensors.items()}
+        else:
+            mine = recv_rows(route, response_spec(0))
+        return Taken(groups=[tuple(k) for k in meta["groups"]], dropped=[tuple(k) for k in meta["dropped"]],
+                     reissued=[(r, [tuple(k) for k in keys]) for r, keys in meta["reissued"]],
+                     queue_depth=meta["queue_depth"], rollout_busy_s=meta["rollout_busy_s"], rows=dests[self.link.rank],
+                     tensors=mine)
+
+    def _receive(self, count: int, policy_version: int, max_staleness: int) -> tuple[dict, dict | None]:
+        """The controller: groups in the order they complete until ``count`` fresh ones, the stale
+        ones issued again; what every rank learns (or the rollout rank's error) and the rows."""
         fresh: list[Group] = []
         dropped, reissued = [], []
-        waiting = store_count(STREAMED_KEY) - link.groups_received
-        busy_before = dict(link.rollout_busy)
+        waiting = store_count(STREAMED_KEY) - self.received
+        busy_before = dict(self.busy)
         try:
             while len(fresh) < count:
-                g = _recv_group(link)
+                g = self._recv_group()
                 if policy_version - g.oldest > max_staleness:
                     dropped.append(g.key)
-                    reissued.append(reissue([g.key]))
+                    reissued.append(self._again(g.key))
                 else:
                     fresh.append(g)
         except RemoteFailure as e:  # every actor rank raises it, not the controller alone
-            meta = {"error": (e.rank, e.message)}
-    if link.rank == CONTROLLER and not meta:
+            return {"error": (e.rank, e.message)}, None
         fresh.sort(key=lambda g: g.key)
-        n = fresh[0].ids.shape[0]
-        width = max(g.ids.shape[1] for g in fresh)
-
-        def cat(name: str, pad: float) -> torch.Tensor:
-            parts = [getattr(g, name) for g in fresh]
-            if parts[0].dim() > 1:
-                parts = [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in parts]
-            return torch.cat(parts)
-
-        ids, versions = cat("ids", 0), cat("versions", -1)
-        lengths = cat("lengths", 0)
-        mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
-        tensors = {"response_ids": ids, "response_mask": mask, "logprobs": cat("logprobs", 0.0),
-                   "truncated": cat("truncated", 0), "versions": versions,
-                   "gen_seconds": torch.zeros(len(ids))}
-        busy = max((t - busy_before.get(r, 0.0) for r, t in link.rollout_busy.items()), default=0.0)
+        for g in fresh:
+            del self.prompts[g.key]
+        live = {r for r, _ in self.prompts}
+        self.sampling = {r: v for r, v in self.sampling.items() if r in live}
+        busy = max((t - busy_before.get(r, 0.0) for r, t in self.busy.items()), default=0.0)
         meta = {"groups": [g.key for g in fresh], "dropped": dropped, "reissued": reissued,
-                "queue_depth": max(waiting, 0), "n": n, "rollout_busy_s": busy}
-    meta = broadcast_object(meta if link.rank == CONTROLLER else None, src=CONTROLLER, group=actor_group)
-    if "error" in meta:
-        raise RemoteFailure(*meta["error"])
-    rows = meta["n"] * len(meta["groups"])
-    dests = link.routes.actor_ranges(rows, by_dp=True)
-    others = {r: span for r, span in dests.items() if r != CONTROLLER}
-    route = RowRoute(sources={CONTROLLER: (0, rows)}, dests=others)
-    if link.rank == CONTROLLER:
-        send_rows(route, tensors, first_row=0)
-        a, b = dests[CONTROLLER]
-        mine = {k: v[a:b] for k, v in tensors.items()}
-    else:
-        mine = recv_rows(route, spec)
-    return Taken(groups=[tuple(k) for k in meta["groups"]], dropped=[tuple(k) for k in meta["dropped"]],
-                 reissued=meta["reissued"], queue_depth=meta["queue_depth"], rollout_busy_s=meta["rollout_busy_s"],
-                 rows=dests[link.rank], tensors=mine)
+                "queue_depth": max(waiting, 0), "n": fresh[0].ids.shape[0], "rollout_busy_s": busy}
+        return meta, _rows_of(fresh)
+
+    def _again(self, key: tuple[int, int]) -> tuple[int, list[tuple[int, int]]]:
+        """A dropped group's prompt, issued again as a new round of one prompt."""
+        ids, sampling = self.prompts.pop(key), self.sampling[key[0]]
+        round_ = self.last_round + 1
+        self.issue([ids], sampling, round_=round_, num_prompts=1)
+        return round_, [key]
+
+    def _recv_group(self) -> Group:
+        header = torch.zeros(_HEADER, dtype=torch.long)
+        src = dist.recv(header, src=None, tag=STREAM_TAG)
+        status, round_, position, n, width, extra = header.tolist()
+        if status != 0:
+            message = torch.empty(extra, dtype=torch.uint8)  # extra: the message's length in bytes
+            dist.recv(message, src=src, tag=STREAM_TAG)
+            raise RemoteFailure(src, bytes(message.tolist()).decode(errors="replace"))
+        packed = torch.empty(n, 2 * width + 2, dtype=torch.long)
+        logprobs = torch.empty(n, width, dtype=torch.float32)
+        dist.recv(packed, src=src, tag=STREAM_TAG)
+        dist.recv(logprobs, src=src, tag=STREAM_TAG)
+        self.received += 1
+        self.busy[src] = extra / 1e6  # its seconds generating so far
+        return Group(round_, position, packed[:, :width], packed[:, width:2 * width], packed[:, -2], packed[:, -1],
+                     logprobs)
 
 
-def _recv_group(link: RolloutLink) -> Group:
-    header = torch.zeros(_HEADER, dtype=torch.long)
-    src = dist.recv(header, src=None, tag=STREAM_TAG)
-    status, round_, position, n, width, extra = header.tolist()
-    if status != 0:
-        nbytes = extra
-        message = torch.empty(nbytes, dtype=torch.uint8)
-        dist.recv(message, src=src, tag=STREAM_TAG)
-        raise RemoteFailure(src, bytes(message.tolist()).decode(errors="replace"))
-    packed = torch.empty(n, 2 * width + 2, dtype=torch.long)
-    logprobs = torch.empty(n, width, dtype=torch.float32)
-    dist.recv(packed, src=src, tag=STREAM_TAG)
-    dist.recv(logprobs, src=src, tag=STREAM_TAG)
-    link.groups_received += 1
-    link.rollout_busy[src] = extra / 1e6  # its seconds generating so far
-    return Group(round_, position, packed[:, :width], packed[:, width:2 * width], packed[:, -2], packed[:, -1],
-                 logprobs)
+def _rows_of(groups: list[Group]) -> dict[str, torch.Tensor]:
+    """The groups' rows as the response tensors a round routes, right-padded to the widest."""
+    width = max(g.ids.shape[1] for g in groups)
+
+    def cat(name: str, pad: float) -> torch.Tensor:
+        parts = [getattr(g, name) for g in groups]
+        if parts[0].dim() > 1:
+            parts = [torch.nn.functional.pad(p, (0, width - p.shape[1]), value=pad) for p in parts]
+        return torch.cat(parts)
+
+    lengths = cat("lengths", 0)
+    return {"response_ids": cat("ids", 0), "response_mask": (torch.arange(width)[None, :] < lengths[:, None]).float(),
+            "logprobs": cat("logprobs", 0.0), "truncated": cat("truncated", 0), "versions": cat("versions", -1),
+            "gen_seconds": torch.zeros(len(lengths))}
 
 
 # ---------------------------------------------------------------------------------------- rollout side
@@ -350,4 +380,4 @@ class StreamServer(RolloutServer):
             self.waiting, self.open = [], {}
 
 
-__all__ = ["STREAMED_KEY", "STREAM_TAG", "StreamServer", "Taken", "issue_stream", "take_groups"]
+__all__ = ["STREAMED_KEY", "STREAM_TAG", "GroupStream", "StreamServer", "Taken"]

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.metrics import MetricAccumulator
-from spmd_rl.rollout.pool_stream import issue_stream, take_groups
+from spmd_rl.rollout.pool_stream import GroupStream
 from spmd_rl.source.rollout import PoolRollout, Rows
 from spmd_rl.source.rounds import RoundSource
 from spmd_rl.source.rows import staleness
@@ -78,21 +78,17 @@ class GroupsInFlight(InFlight):
         self.rounds[round_] = dict(enumerate(indices))
         self.next_round = max(self.next_round, round_ + 1)
 
-    def reserve(self) -> int:
-        """A new round's number (the controller, issuing the prompts of dropped groups again)."""
-        self.next_round += 1
-        return self.next_round - 1
-
     def sample(self, round_: int, position: int) -> int:
         return self.rounds[round_][position]
 
     def take(self, groups: list[tuple[int, int]], dropped: list[tuple[int, int]],
-             reissued: list[tuple[int, list[int]]]) -> list[int]:
+             reissued: list[tuple[int, list[tuple[int, int]]]]) -> list[int]:
         """The prompt indices of a step's complete ``groups``, which leave the flight with the
-        ``dropped`` (too stale) ones. ``reissued``: the rounds that issued the dropped prompts again,
-        registered first: a group of theirs can complete, and be among ``groups``, in the same take."""
-        for round_, indices in reissued:
-            self.add(round_, indices)
+        ``dropped`` (too stale) ones. ``reissued``: the rounds that issued the dropped groups' prompts
+        again (new round, the dropped groups in its order), registered first: a group of theirs can
+        complete, and be among ``groups``, in the same take."""
+        for round_, keys in reissued:
+            self.add(round_, [self.sample(*key) for key in keys])
         taken = [self.sample(*key) for key in groups]
         for round_, position in groups + dropped:
             del self.rounds[round_][position]
@@ -183,6 +179,7 @@ class StreamedGroups(AheadSource):
     def __init__(self, rollout: PoolRollout, **parts) -> None:
         super().__init__(rollout, **parts)
         self.in_flight = GroupsInFlight()
+        self.stream = GroupStream(rollout.link, pad_token_id=self.layout.pad_token_id)
 
     def refill(self, step: int) -> None:
         """Issue again what a checkpoint held, then rounds while (S + 1) rounds' prompts are not issued,
@@ -197,25 +194,14 @@ class StreamedGroups(AheadSource):
     def issue(self, round_: int, indices: list[int]) -> None:
         """Add a round of prompts to the pool's stream."""
         self.in_flight.add(round_, indices)
-        self.send(round_, indices)
-
-    def send(self, round_: int, indices: list[int]) -> None:
         prompts = self.prompts
-        issue_stream(self.rollout.link, [prompts.ids[i] for i in indices] if prompts.is_controller else None,
-                     prompts.sampling(round_), round_=round_, num_prompts=len(indices),
-                     pad_token_id=self.layout.pad_token_id)
-
-    def reissue(self, keys: list[tuple[int, int]]) -> tuple[int, list[int]]:
-        """The controller, for groups dropped as too stale: their prompts again, as a new round."""
-        indices = [self.in_flight.sample(*key) for key in keys]
-        round_ = self.in_flight.reserve()
-        self.send(round_, indices)
-        return round_, indices
+        self.stream.issue([prompts.ids[i] for i in indices] if prompts.is_controller else None,
+                          prompts.sampling(round_), round_=round_, num_prompts=len(indices))
 
     def next_batch(self, step: int, acc: MetricAccumulator, timer: StageTimer) -> RolloutBatch:
         with timer("wait_rollout"):
-            got = take_groups(self.rollout.link, count=self.batch_size, policy_version=self.version,
-                              max_staleness=self.staleness, actor_group=self.layout.group, reissue=self.reissue)
+            got = self.stream.take(count=self.batch_size, policy_version=self.version, max_staleness=self.staleness,
+                                   actor_group=self.layout.group)  # too stale: dropped and issued again
             indices = self.in_flight.take(got.groups, got.dropped, got.reissued)
             rows = Rows(indices, got.rows, got.tensors, weight=None, actor_layout=True)
             batch = self.rows_batch(rows, acc)
