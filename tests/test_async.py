@@ -3,8 +3,9 @@
 * every update's samples are at most ``trainer.max_staleness`` policy versions old (from the
   per-token versions the rollout records), exactly that old once the pipeline is full;
 * it still learns; a run resumed from a checkpoint taken with rounds in flight completes;
-* generation overlaps the update on a long-tailed workload: a step takes less than generating plus
-  updating, and S = 1 is faster than S = 0 by about what bench/async_sim.py predicts;
+* generation overlaps the update on a long-tailed workload: with S = 1 a round is in flight while
+  the actor updates, and the actor waits for less than the round's generation (read from the run's
+  own metrics, no wall-clock comparison between runs);
 * partial rollouts: rows continue under weights that arrive mid-round, fresh tokens carry the new
   policy's log-probs;
 * staged weights: the actor's weight sync no longer waits for the round in progress, and nothing
@@ -14,16 +15,11 @@
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
 from test_pools import assert_same, learning_metrics, run_ok
 from test_train_e2e import read_metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from async_sim import Costs, predict, round_drawer  # noqa: E402 - bench/ on the path first
 
 POOL = ["--pools.rollout-ranks", "1", "--algo.rollout-is", "token_truncated", "--trainer.val-every", "0"]
 
@@ -59,37 +55,28 @@ def test_resume_with_rounds_in_flight(tmp_path):
     assert [resumed[s]["async/staleness/max"] for s in (4, 5, 6)] == [0, 1, 2]
 
 
-@pytest.mark.alone  # it measures two processes side by side: no other test's processes beside them
-def test_long_tail_overlap_matches_the_model(tmp_path):
+def test_long_tail_rounds_are_generated_while_the_actor_updates(tmp_path):
     """A long tail on one actor and one rollout process: response lengths drawn per response
     (lognormal, 2..24 tokens) and a rollout that sleeps 30 ms per decode step, so a round waits for
-    its longest response (~0.8 s) while the actor's work (~0.2 s) follows the total tokens. S = 1
-    hides the update behind generation: its step is below the synchronous one by about what
-    bench/async_sim.py predicts from the synchronous run's gen / actor / weight-sync times, and below
-    the rollout's generation plus the actor's own work measured in the same run. Generation is the
-    longer half, so a busy machine that slows the actor down changes the S = 1 step little."""
+    its longest response while the actor's work follows the total tokens. With S = 1 the overlap is
+    structural, and read from the run's own records: after each step's take one round is in flight
+    (the rollout generates it while the actor updates), its samples are one version old, and the
+    actor waits for less than the rollout spends generating the round (the part generated during the
+    previous update is not waited for). No wall-clock ratio between runs: a busy machine slows both
+    halves, and the records stay what they are."""
     flags = [*POOL, "--rollout.max-new-tokens", "24", "--rollout.ignore-eos", "--rollout.length-dist", "lognormal",
              "--rollout.min-new-tokens", "2", "--rollout.token-delay-s", "0.03", "--trainer.total-steps", "6",
-             "--actor.micro-batch-size", "8"]
-    runs = {}
-    for s in (0, 1):
-        run_ok(str(tmp_path / f"s{s}"), *flags, "--trainer.max-staleness", str(s), nproc=2)
-        runs[s] = [m for m in read_metrics(str(tmp_path / f"s{s}")) if m["step"] >= 3 and "timing_s/step" in m]
-    med = lambda s, f: statistics.median(f(m) for m in runs[s])  # noqa: E731
-    gen, sync = med(0, lambda m: m["timing_s/gen"]), med(0, lambda m: m["timing_s/weight_sync"])
-    step0, step1 = med(0, lambda m: m["timing_s/step"]), med(1, lambda m: m["timing_s/step"])
-    draw = round_drawer(length_dist="lognormal", low=2, high=24, rows=64)
-    costs = Costs.calibrate(gen_s=gen, actor_s=step0 - gen - sync, weight_sync_s=sync,
-                            rounds=[draw(k) for k in range(50)], batch_size=64)
-    predicted = predict(costs, staleness=[0, 1], partial=False, draw=draw)
-    expected, measured = predicted[0] / predicted[1], step0 / step1
-    assert expected > 1.15, (gen, step0, predicted)  # the workload overlaps: both halves take a real share
-    assert 1 + 0.5 * (expected - 1) < measured < 1.25 * expected, \
-        f"S = 1 speed-up {measured:.2f}, model {expected:.2f} (S = 0: step {step0:.3f} s, gen {gen:.3f} s, " \
-        f"weight sync {sync:.3f} s; S = 1: step {step1:.3f} s)"
-    serial = med(1, lambda m: m["async/rollout_busy_s"] + m["timing_s/step"] - m["timing_s/wait_rollout"]
-                 - m["timing_s/wait_weights"])
-    assert step1 < 0.9 * serial, f"one-step-off {step1:.3f} s/step against generation + actor work {serial:.3f} s"
+             "--actor.micro-batch-size", "8", "--trainer.max-staleness", "1"]
+    run_ok(str(tmp_path / "run"), *flags, nproc=2)
+    steps = [m for m in read_metrics(str(tmp_path / "run")) if "async/staleness/max" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5, 6]
+    for m in steps:
+        assert m["async/staleness/max"] == min(m["step"] - 1, 1), m
+        assert m["async/queue_depth"] == min(1, 6 - m["step"]), m  # the round generated during this update
+    # steps 2-5: the round taken was issued before the previous update and generated during it
+    overlapped = [(m["timing_s/wait_rollout"], m["async/rollout_busy_s"]) for m in steps if 2 <= m["step"] <= 5]
+    assert statistics.median(w / busy for w, busy in overlapped) < 1, \
+        f"the actor waited for whole rounds (wait_rollout s, generation s): {overlapped}"
 
 
 def test_partial_rollouts_continue_under_new_weights(tmp_path):
