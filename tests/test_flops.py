@@ -38,7 +38,10 @@ def test_forward_flops_match_torch_flop_counter(name: str) -> None:
     fm = FlopsModel.from_config(cfg)
     causal = fm.forward([s], head_tokens=s)
     full_minus_causal = 4 * fm.layers * fm.heads * fm.head_dim * (s * s - s * (s + 1) // 2)
-    assert counter.get_total_flops() == causal + full_minus_causal
+    # some transformers releases compute RoPE's angles as a matmul (inv_freq x positions, once per
+    # forward): torch counts it, the model's FLOPs do not
+    rope_angles = 2 * (fm.head_dim // 2) * s
+    assert counter.get_total_flops() in (causal + full_minus_causal, causal + full_minus_causal + rope_angles)
 
 
 def test_qwen2_0_5b_hand_count() -> None:
