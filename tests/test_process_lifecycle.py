@@ -258,9 +258,9 @@ def test_gloo_work_left_at_exit_does_not_abort(tmp_path):
 
 
 def test_stopped_rank_ends_the_run_naming_it(tmp_path):
-    """Rank 1 SIGSTOPs itself in the reward stage of step 2; with a 10 s stall timeout every process
-    is gone well before torchrun's 30 s SIGTERM grace would have run out (rank 0's watchdog kills
-    the stopped rank), and the output says which rank stopped, where."""
+    """Rank 1 SIGSTOPs itself in the reward stage of step 2; with a 10 s stall timeout rank 0's
+    watchdog kills the stopped rank (no waiting out torchrun's 30 s SIGTERM grace), every process is
+    gone, and the output says which rank stopped, where."""
     marker, log_path = tmp_path / "stopped", str(tmp_path / "log")
     proc = start(str(tmp_path / "run"), "--trainer.total-steps", "4", "--trainer.stall-timeout-s", "10",
                  "--reward.fn", "support.faults:digit_fraction_stopped", log_path=log_path,
@@ -269,17 +269,14 @@ def test_stopped_rank_ends_the_run_naming_it(tmp_path):
     try:
         wait_for(marker, proc, log_path)
         stopped.append(int(marker.read_text()))
-        t0 = time.monotonic()
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             pytest.fail("still running 120 s after rank 1 stopped:\n" + open(log_path).read()[-5000:])
-        took = time.monotonic() - t0
         text = open(log_path).read()
         assert proc.returncode != 0
-        # 10 s + the watchdog's check (3 s) + torchrun noticing; without the SIGKILL of the stopped
-        # rank, torchrun's 30 s from SIGTERM to SIGKILL would come on top
-        assert took < 38, f"took {took:.0f} s\n{text[-5000:]}"
+        # the watchdog ends the silent rank itself (SIGKILL), rather than leaving it to torchrun's
+        # SIGTERM-then-30-s-SIGKILL: read from the log, not from the clock
         assert "sent SIGKILL to silent rank 1" in text, text[-5000:]
         assert not alive(stopped[0]), "the stopped rank outlived the run"
         assert "stall: rank 0 has been in stage " in text and "of step 2" in text, text[-5000:]

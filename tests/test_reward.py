@@ -315,15 +315,11 @@ def test_scorer_input_checks() -> None:
 def test_a_scorer_that_never_returns_stops_with_the_sample(on_error: str) -> None:
     """A hung user scorer is a RewardError naming the function, the sample it hangs on and its
     prompt, after about two timeouts (the batch call, then that sample alone), even with `skip`."""
-    import time
-
     s = build_scorer(fn="support.rewards:hangs_on_seven", task="file", format_weight=0.0, on_error=on_error,
                      timeout_s=0.3)
     assert s(["1+1", "2+2"], ["2", "4"], {"answer": ["2", "4"]}).scores == [1.0, 1.0]  # no hang: scored
-    start = time.perf_counter()
-    with pytest.raises(RewardError) as info:
+    with pytest.raises(RewardError) as info:  # the timeout's own error (a hang would never raise)
         s(["1+1", "3+7", "2+2"], ["2", "10", "4"], {"answer": ["2", "10", "4"]})
-    assert time.perf_counter() - start < 5
     msg = str(info.value)
     assert "reward.fn=support.rewards:hangs_on_seven failed on sample 1: did not return within reward.timeout_s=0.3 s" in msg
     assert "prompt: '3+7'" in msg and "raise --reward.timeout-s" in msg

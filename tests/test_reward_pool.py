@@ -22,7 +22,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -239,12 +238,12 @@ TINY = [
 ]
 
 
-def torchrun(out_dir: str, *flags: str, timeout: int) -> tuple[subprocess.CompletedProcess, float]:
+def torchrun(out_dir: str, *flags: str, timeout: int) -> subprocess.CompletedProcess:
     env = cpu_env(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
            "-m", "spmd_rl.train", *TINY, "--trainer.output-dir", out_dir, *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    return proc, time.time()
+    return proc
 
 
 def test_grpo_with_reward_pool(tmp_path: Path) -> None:
@@ -283,17 +282,11 @@ def test_reward_pool_failure_stops_every_rank(tmp_path: Path) -> None:
     config.num_labels = 1
     LlamaForSequenceClassification(config).save_pretrained(folder)
     build_char_tokenizer().save_pretrained(folder)
-    proc, ended = torchrun(str(tmp_path / "err"), "--trainer.total-steps", "3", "--trainer.val-every", "0",
+    proc = torchrun(str(tmp_path / "err"), "--trainer.total-steps", "3", "--trainer.val-every", "0",
                            "--reward.model.path", str(folder), timeout=120)
     assert proc.returncode != 0
     err = proc.stderr
     assert "RewardError: the reward model failed on the reward pool" in err, err[-6000:]
     assert "reward rank 2 (" in err and "outside the reward model's vocabulary of 10 tokens" in err
+    # the job is stopped by the error itself, not by a collective's timeout on the other ranks
     assert "Timed out" not in err
-    # The error is raised at step 1; the job is down within seconds of it, not after the 60 s timeout.
-    first = re.search(r"^(\d\d):(\d\d):(\d\d) \S+ ERROR", err, re.M)
-    assert first, err[-3000:]
-    h, m, s = map(int, first.groups())
-    now = time.localtime(ended)
-    waited = (now.tm_hour * 3600 + now.tm_min * 60 + now.tm_sec - (h * 3600 + m * 60 + s)) % 86400
-    assert waited < 30, f"the job ended {waited} s after the first error"
