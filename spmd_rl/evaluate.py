@@ -34,9 +34,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from spmd_rl.atomic import write_atomic
 from spmd_rl.config import Config, load_config
 from spmd_rl.distributed.comm import all_gather_objects, fail_together
 from spmd_rl.distributed.env import DistEnv
@@ -150,11 +152,9 @@ def evaluate(cfg: Config, flags: EvalFlags, env: DistEnv) -> dict[str, float | i
 
 
 def _write(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    target = Path(path).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(target, text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -515,7 +515,7 @@ class FastDecoder(SlotCache):
         span = self.span(top + self.check_every + 1)
         step = 0
         while True:
-            self._decode(cur, span, mode, generator)
+            self.decode_slots(cur, span, mode, generator)
             step += 1
             if look is not None:
                 look(step)
@@ -547,7 +547,7 @@ class FastDecoder(SlotCache):
         """A sampling setting as the step's graphs key it: one graph per mode, bucket and span."""
         return (True, 0, 1.0) if temperature == 0 else (False, top_k, top_p)
 
-    def _decode(self, cur: int, span: int, mode: tuple[bool, int, float], generator: torch.Generator) -> None:
+    def decode_slots(self, cur: int, span: int, mode: tuple[bool, int, float], generator: torch.Generator) -> None:
         """One decode step of the first ``cur`` slots: the step's uniforms (sampled modes), then its replay."""
         if not mode[0]:
             self._u[:cur].uniform_(generator=generator)

@@ -4,6 +4,7 @@ slots during a call (the call's start, queued rows prefilled into free slots, co
     class FastDecoder(SlotCache): ...       # spmd_rl.rollout.fast: the decoder is a SlotCache
     fast.memory_needed(rows=64, slots=4224, out_rows=128)   # {"kv": ..., "buffers": ..., "transient": ...}
     fast.release(); fast.restore()          # rollout sleep: free the cache and graphs, reallocate
+    rows = SlotStream(fast, feed=feed, finish=finish, ...)   # a stream's rows over the slots (rollout.stream)
 
 ``cache [full-length layers, 2, rows, slots, kv_heads, head_dim]`` holds one cache row (a sequence
 slot) per decoding row: ``rows`` is the largest batch bucket used so far, ``slots`` the longest
@@ -21,6 +22,8 @@ their addresses; refills and compactions only rewrite them.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -228,4 +231,93 @@ class SlotCache:
         return new
 
 
-__all__ = ["SlotCache", "free_bytes", "size"]
+
+
+class SlotStream:
+    """The output rows (handles) of one fast-path stream over a decoder's slots: free, queued for a
+    slot, or live, with each one's key, prompt and limit; what
+    :func:`~spmd_rl.rollout.stream.stream_decode` pulls from the feed and hands back. It works the
+    slot state of this module's :class:`SlotCache`, which the decoder is."""
+
+    def __init__(self, fast: SlotCache, *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
+                 finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None], max_new_tokens: int,
+                 slots: int, eos: torch.Tensor) -> None:
+        self.fast, self.feed, self.finish, self.max_new_tokens, self.eos = fast, feed, finish, max_new_tokens, eos
+        self.cap = fast.buckets[-1]
+        handles = 2 * self.cap  # output rows: a finished row's is free once finish() copied it
+        fast._ensure_cache(self.cap, slots, handles)
+        self.keys: list[Any] = [None] * handles
+        self.prompts: list[list[int]] = [[] for _ in range(handles)]
+        self.limits = [1] * handles
+        self.free = list(range(handles))[::-1]
+        self.queue: list[int] = []  # handles waiting for a slot, popped from the end
+
+    def start(self, *, temperature: float) -> int:
+        """The stream's call starts: its spare slot (where finished slots point)."""
+        return self.fast._start_call(temperature=temperature, eos=self.eos)
+
+    def compact(self, cur: int, *, spare: int) -> int:
+        """The live rows moved to the front of the ``cur`` slots; the smaller bucket that holds them."""
+        return self.fast._compact(cur, spare=spare)
+
+    def pull(self, k: int) -> None:
+        """Up to ``k`` new rows from the feed (as many as there are free handles), queued for a slot."""
+        new = self.feed(min(k, len(self.free)))
+        taken = [self.free.pop() for _ in new]
+        for h, (key, ids, limit) in zip(taken, new):
+            if not 1 <= limit <= self.max_new_tokens:
+                raise ValueError(f"stream: a row's limit {limit} is outside [1, {self.max_new_tokens}]")
+            self.keys[h], self.prompts[h], self.limits[h] = key, ids, limit
+        if taken:
+            self.fast._clear_outputs(torch.tensor(taken, device=self.fast.device))
+            self.queue[:0] = taken[::-1]
+
+    def fill(self, free_slots: list[int]) -> int:
+        """Queued rows prefilled into ``free_slots``; returns the highest write slot."""
+        return self.fast._fill(free_slots, self.queue, self.prompts, self.limits)
+
+    def _outputs(self, handles: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The tokens and log-probs so far of the rows in ``handles``, on the host."""
+        fast = self.fast
+        idx = torch.tensor(handles, device=fast.device)
+        tok, lp, mask = (t[idx].cpu() for t in (fast._out_tok, fast._out_lp, fast._out_mask))
+        lengths = [int(mask[i].sum()) for i in range(len(handles))]
+        return [(tok[i, :n].clone(), lp[i, :n].clone()) for i, n in enumerate(lengths)]
+
+    def harvest(self, handles: list[int]) -> None:
+        """Finished rows to ``finish``; their handles become free."""
+        eos_ids = set(self.eos.tolist())
+        for h, (tokens, logprobs) in zip(handles, self._outputs(handles)):
+            self.finish(self.keys[h], tokens, logprobs, len(tokens) == 0 or int(tokens[-1]) not in eos_ids)
+            self.keys[h] = None
+        self.free.extend(handles)
+
+    def check(self, cur: int, spare: int) -> tuple[list[int], list[int], int]:
+        """One host sync: which of the ``cur`` slots finished, whose rows they hold, the highest write
+        slot. The rows that ended since the last check are harvested and their slots point at ``spare``."""
+        fast = self.fast
+        state = torch.cat([fast._finished[:cur].long(), fast._row_of[:cur], fast._wpos[:cur].max()[None]]).tolist()
+        finished, row_of, top = state[:cur], state[cur:2 * cur], state[-1]
+        ended = [s for s in range(cur) if finished[s] and row_of[s] != spare]
+        if ended:
+            self.harvest([row_of[s] for s in ended])
+            fast._row_of[torch.tensor(ended, device=fast.device)] = spare
+        return finished, row_of, top
+
+    def grow(self, cur: int, n_live: int, finished: list[int], spare: int) -> int:
+        """Rows came after a compaction: the bucket that holds them; its new slots start finished
+        (appended to ``finished``) and pointing at ``spare``. Returns the new bucket."""
+        fast = self.fast
+        grown = fast.bucket(min(self.cap, n_live + len(self.queue)))
+        fast._finished[cur:grown] = True
+        fast._row_of[cur:grown] = spare
+        finished += [1] * (grown - cur)
+        return grown
+
+    def unfinished(self, live: list[int]) -> list[tuple[Hashable, torch.Tensor, torch.Tensor]]:
+        """``(key, tokens so far, logprobs)`` of the ``live`` handles, then of the queued ones (none)."""
+        out = [(self.keys[h], *row) for h, row in zip(live, self._outputs(live))] if live else []
+        return out + [(self.keys[h], torch.zeros(0, dtype=torch.long), torch.zeros(0)) for h in self.queue[::-1]]
+
+
+__all__ = ["SlotCache", "SlotStream", "free_bytes", "size"]

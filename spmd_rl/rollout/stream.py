@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Hashable
+from typing import TYPE_CHECKING, Callable, Hashable
 
 import torch
 
 from .lengths import LengthDist, draw_lengths
+from .slots import SlotStream
 
 if TYPE_CHECKING:
     from .fast import FastDecoder
@@ -153,83 +154,6 @@ def run_stream(engine: StreamEngine, *, feed: Feed, done: Done, temperature: flo
         carry[:0] = [key for key, *_ in live]
 
 
-class _FastStream:
-    """The output rows (handles) of one fast-path stream: free, queued for a slot, or live, with each
-    one's key, prompt and limit; what :func:`stream_decode` pulls from the feed and hands back."""
-
-    def __init__(self, fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
-                 finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None], max_new_tokens: int,
-                 slots: int, eos: torch.Tensor) -> None:
-        self.fast, self.feed, self.finish, self.max_new_tokens, self.eos = fast, feed, finish, max_new_tokens, eos
-        self.cap = fast.buckets[-1]
-        handles = 2 * self.cap  # output rows: a finished row's is free once finish() copied it
-        fast._ensure_cache(self.cap, slots, handles)
-        self.keys: list[Any] = [None] * handles
-        self.prompts: list[list[int]] = [[] for _ in range(handles)]
-        self.limits = [1] * handles
-        self.free = list(range(handles))[::-1]
-        self.queue: list[int] = []  # handles waiting for a slot, popped from the end
-
-    def pull(self, k: int) -> None:
-        """Up to ``k`` new rows from the feed (as many as there are free handles), queued for a slot."""
-        new = self.feed(min(k, len(self.free)))
-        taken = [self.free.pop() for _ in new]
-        for h, (key, ids, limit) in zip(taken, new):
-            if not 1 <= limit <= self.max_new_tokens:
-                raise ValueError(f"stream: a row's limit {limit} is outside [1, {self.max_new_tokens}]")
-            self.keys[h], self.prompts[h], self.limits[h] = key, ids, limit
-        if taken:
-            self.fast._clear_outputs(torch.tensor(taken, device=self.fast.device))
-            self.queue[:0] = taken[::-1]
-
-    def fill(self, free_slots: list[int]) -> int:
-        """Queued rows prefilled into ``free_slots``; returns the highest write slot."""
-        return self.fast._fill(free_slots, self.queue, self.prompts, self.limits)
-
-    def _outputs(self, handles: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The tokens and log-probs so far of the rows in ``handles``, on the host."""
-        fast = self.fast
-        idx = torch.tensor(handles, device=fast.device)
-        tok, lp, mask = (t[idx].cpu() for t in (fast._out_tok, fast._out_lp, fast._out_mask))
-        lengths = [int(mask[i].sum()) for i in range(len(handles))]
-        return [(tok[i, :n].clone(), lp[i, :n].clone()) for i, n in enumerate(lengths)]
-
-    def harvest(self, handles: list[int]) -> None:
-        """Finished rows to ``finish``; their handles become free."""
-        eos_ids = set(self.eos.tolist())
-        for h, (tokens, logprobs) in zip(handles, self._outputs(handles)):
-            self.finish(self.keys[h], tokens, logprobs, len(tokens) == 0 or int(tokens[-1]) not in eos_ids)
-            self.keys[h] = None
-        self.free.extend(handles)
-
-    def check(self, cur: int, spare: int) -> tuple[list[int], list[int], int]:
-        """One host sync: which of the ``cur`` slots finished, whose rows they hold, the highest write
-        slot. The rows that ended since the last check are harvested and their slots point at ``spare``."""
-        fast = self.fast
-        state = torch.cat([fast._finished[:cur].long(), fast._row_of[:cur], fast._wpos[:cur].max()[None]]).tolist()
-        finished, row_of, top = state[:cur], state[cur:2 * cur], state[-1]
-        ended = [s for s in range(cur) if finished[s] and row_of[s] != spare]
-        if ended:
-            self.harvest([row_of[s] for s in ended])
-            fast._row_of[torch.tensor(ended, device=fast.device)] = spare
-        return finished, row_of, top
-
-    def grow(self, cur: int, n_live: int, finished: list[int], spare: int) -> int:
-        """Rows came after a compaction: the bucket that holds them; its new slots start finished
-        (appended to ``finished``) and pointing at ``spare``. Returns the new bucket."""
-        fast = self.fast
-        grown = fast.bucket(min(self.cap, n_live + len(self.queue)))
-        fast._finished[cur:grown] = True
-        fast._row_of[cur:grown] = spare
-        finished += [1] * (grown - cur)
-        return grown
-
-    def unfinished(self, live: list[int]) -> list[tuple[Hashable, torch.Tensor, torch.Tensor]]:
-        """``(key, tokens so far, logprobs)`` of the ``live`` handles, then of the queued ones (none)."""
-        out = [(self.keys[h], *row) for h, row in zip(live, self._outputs(live))] if live else []
-        return out + [(self.keys[h], torch.zeros(0, dtype=torch.long), torch.zeros(0)) for h in self.queue[::-1]]
-
-
 def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
                   finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None], temperature: float,
                   top_k: int, top_p: float, max_new_tokens: int, slots: int, generator: torch.Generator,
@@ -239,8 +163,8 @@ def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hasha
     ``finish(key, tokens, logprobs, truncated)`` takes each finished one. Returns None when the feed
     is dry and no row is live, or, when ``interrupt(steps)`` said stop, the rows not finished:
     ``(key, tokens so far, logprobs)`` (queued ones with none)."""
-    rows = _FastStream(fast, feed=feed, finish=finish, max_new_tokens=max_new_tokens, slots=slots, eos=eos)
-    spare = fast._start_call(temperature=temperature, eos=eos)
+    rows = SlotStream(fast, feed=feed, finish=finish, max_new_tokens=max_new_tokens, slots=slots, eos=eos)
+    spare = rows.start(temperature=temperature)
     cur = rows.cap
     rows.pull(cur)
     if not rows.queue:
@@ -250,7 +174,7 @@ def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hasha
     span = fast.span(top + fast.check_every + 1)
     step = 0
     while True:
-        fast._decode(cur, span, mode, generator)
+        fast.decode_slots(cur, span, mode, generator)
         step += 1
         stopped = interrupt is not None and interrupt(step)
         if not stopped and step % fast.check_every:
@@ -270,7 +194,7 @@ def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hasha
         elif not rows.queue and n_live == 0:
             return None
         elif not rows.queue and fast.bucket(n_live) < cur:
-            cur = fast._compact(cur, spare=spare)
+            cur = rows.compact(cur, spare=spare)
         span = fast.span(top + fast.check_every + 1)
 
 
