@@ -23,8 +23,8 @@ the caller is not: it has run no tensor operation, so it has no OpenMP or gloo t
 Devices: these ranks are CPU processes whatever the machine has. The server and every rank run with
 ``CUDA_VISIBLE_DEVICES=""`` (:func:`cpu_env`), so a rank on a GPU host picks the CPU and gloo as on a
 machine without one, and nothing the server imports can initialise CUDA before it forks (a forked
-child cannot use a CUDA driver its parent initialised). ``run_distributed(..., backend="nccl")``
-is the CUDA case: its ranks are spawned (never forked) and see the GPUs; :func:`cuda_devices`
+child cannot use a CUDA driver its parent initialised). ``run_distributed(..., cuda=True)`` (with
+``backend="nccl"``) is the CUDA case: its ranks are spawned (never forked) and see the GPUs; :func:`cuda_devices`
 counts them without initialising CUDA, for a test's skip condition. Subprocesses that a CPU test
 starts itself (``torchrun``, scripts) take ``env=cpu_env(...)``.
 """
@@ -85,10 +85,10 @@ each rank finds them imported instead of spending seconds on them."""
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any],
-            args: tuple, queue: Any, timeout_s: float, environ: dict[str, str]) -> None:
+            args: tuple, queue: Any, timeout_s: float, environ: dict[str, str], cuda: bool = False) -> None:
     os.environ.clear()  # the server's environment is from when it started; the caller's is now
     os.environ.update(environ)
-    if backend == "nccl":
+    if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -194,22 +194,22 @@ def run_program(module: str, argv: list[str], *, nproc: int, env: dict[str, str]
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-                    timeout_s: float = 300.0) -> list[Any]:
+                    timeout_s: float = 300.0, cuda: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return results by rank.
 
     ``fn`` and ``args`` must be picklable (a module-level function). Raises ``RuntimeError`` with
-    the first failing rank's traceback. With ``backend="gloo"`` the ranks are forked CPU processes
-    (:func:`cpu_env`); with ``"nccl"`` they are spawned, rank ``r`` on GPU ``r % cuda_devices()``
-    (the caller skips when it has too few: :func:`cuda_devices`).
+    the first failing rank's traceback. The ranks are forked CPU processes (:func:`cpu_env`), or with
+    ``cuda`` spawned ones, rank ``r`` on GPU ``r % cuda_devices()`` (the caller skips when it has too
+    few: ``support.devices.needs_gpus``).
     """
-    if backend == "nccl":
+    if cuda:
         ctx, environ = mp.get_context("spawn"), dict(os.environ)
     else:
         ctx, environ = _context(), cpu_env()
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, timeout_s, environ))
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, timeout_s, environ, cuda))
         for r in range(world_size)
     ]
     for p in procs:

@@ -3,7 +3,7 @@ run with the GPUs hidden (``spmd_rl.distributed.testing.cpu_env``), on any machi
 
     from support.devices import cuda, needs_gpus
     @cuda                  # one CUDA GPU, in this process
-    @needs_gpus(2)         # two, e.g. for run_distributed(..., backend="nccl"), whose ranks are spawned
+    @needs_gpus(2)         # two, e.g. for run_distributed(..., backend="nccl", cuda=True): spawned ranks
 
 The count comes from NVML (``torch.cuda.device_count()``), which leaves CUDA uninitialised in the
 test process, so it can still fork CPU ranks afterwards."""
