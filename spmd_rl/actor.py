@@ -106,6 +106,7 @@ class ActorUpdate:
         """One optimizer step over ``mini``; its metrics into ``acc``."""
         cfg = self.cfg
         global_tokens, global_seqs = global_counts(mini, sum_weight=self.sum_weight, group=self.group)
+        global_tokens = max(global_tokens, 1.0)  # every token rejected (algo.rollout_rs): the loss is 0, not 0 / 0
         pending: Pending = []
         stats = self.engine.train_mini_batch(
             self.engine.micro_batches(mini, micro_batch_size=cfg.actor.micro_batch_size),

@@ -454,3 +454,16 @@ def test_flags_and_old_yaml_load(tmp_path) -> None:
     again = tmp_path / "again.yaml"
     again.write_text(to_yaml(cfg))
     assert load_config(["--config", str(again)]).algo == cfg.algo
+
+
+def test_update_with_every_token_rejected_has_zero_loss() -> None:
+    from spmd_rl.actor import ActorUpdate
+    from spmd_rl.config import Config
+    from spmd_rl.metrics import MetricAccumulator
+
+    cfg = Config()
+    cfg.algo.use_kl_loss, cfg.algo.rollout_rs, cfg.algo.rollout_rs_threshold = False, "token_k2", "1e-30"
+    engine, acc, batch = _Engine(), MetricAccumulator(), _update_batch()
+    ActorUpdate(engine, cfg=cfg, mini_batches=1, sum_weight=1.0, group=None, device=torch.device("cpu"),
+                temperature=1.0, logs_rollout_gap=False)(batch, acc)
+    assert all(loss.item() == 0.0 for loss in engine.losses) and acc.reduce()["rollout_corr/rollout_rs_masked_fraction"] == 1.0
