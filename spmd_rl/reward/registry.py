@@ -30,11 +30,9 @@ main thread).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -42,6 +40,7 @@ from typing import Any, Callable, Sequence
 from spmd_rl.reward.countdown import countdown_reward
 from spmd_rl.reward.format import format_reward
 from spmd_rl.reward.math import math_reward
+from spmd_rl.user_code import import_object
 
 ScoreFn = Callable[..., Any]
 
@@ -83,30 +82,10 @@ def _excerpt(text: Any) -> str:
 def load_user_fn(spec: str) -> ScoreFn:
     """Import ``module:function``; every failure is a ``ValueError`` naming ``reward.fn``."""
     flag = f"reward.fn={spec}"
-    module_name, sep, attr_path = spec.partition(":")
-    if not sep or not module_name.strip() or not attr_path.strip():
-        raise ValueError(
-            f"{flag}: expected `auto`, a built-in scorer ({', '.join(BUILTIN)}) or `module:function`"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
-            raise ValueError(
-                f"{flag}: no module named {e.name!r} on sys.path; put its folder on PYTHONPATH "
-                f"(sys.path starts with {sys.path[:3]})"
-            ) from e
-        raise ValueError(f"{flag}: importing module {module_name!r} failed: {type(e).__name__}: {e}") from e
-    except Exception as e:
-        raise ValueError(f"{flag}: importing module {module_name!r} failed: {type(e).__name__}: {e}") from e
-    obj: Any = module
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            names = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
-            where = getattr(module, "__file__", module_name)
-            raise ValueError(f"{flag}: {where} has no attribute {part!r}; callables there: {names}")
-        obj = getattr(obj, part)
+    obj = import_object(spec, flag=flag,
+                        usage=f"`auto`, a built-in scorer ({', '.join(BUILTIN)}) or `module:function`")
     if not callable(obj):
+        module_name, _, attr_path = spec.partition(":")
         raise ValueError(f"{flag}: {module_name}.{attr_path} is a {type(obj).__name__}, not a function")
     return obj
 
