@@ -149,7 +149,8 @@ class ActorUpdate:
                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """:func:`rollout_correction` over the actor's ranks with the config's settings; its metrics
         (global, the same on every rank) into ``acc``."""
-        algo = self.cfg.algo
+        algo, home = self.cfg.algo, mask.device
+        old, rollout, mask = old.to(self.device), rollout.to(self.device), mask.to(self.device)  # the device's speed
         try:
             weights, new_mask, metrics = rollout_correction(
                 old, rollout, mask, is_level=algo.rollout_is_level,
@@ -157,10 +158,10 @@ class ActorUpdate:
                 rs=algo.rollout_rs, rs_threshold=algo.rollout_rs_threshold, group=self.group,
                 sum_weight=self.sum_weight)
         except NoValidToken:  # nothing to weigh or reject (every row empty on every rank)
-            return None, mask
+            return None, mask.to(home)
         for key, value in metrics.items():
             acc.add(key, value)
-        return weights, new_mask
+        return (None if weights is None else weights.to(home)), new_mask.to(home)
 
     def _stash_for(self, batch: RolloutBatch) -> list | None:
         """Where the micro-batches' own log-probs will serve as the old ones (one optimizer step per
