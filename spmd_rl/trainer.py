@@ -46,7 +46,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from spmd_rl.actor import ActorUpdate
+from spmd_rl.actor import ActorUpdate, log_rollout_gap
 from spmd_rl.algo.filtering import DynamicSampling
 from spmd_rl.algo.objective import compute_advantages
 from spmd_rl.checkpoint import Checkpointer, checkpoint_bytes
@@ -130,8 +130,12 @@ class Trainer:
         advantages). With one optimizer step per batch the proximal policy of decoupled PPO is the
         current one, so the update's own log-probs, detached, serve as the old ones: the ratio is 1,
         and the IS correction (``algo.rollout_is``) and stale samples compare them with the rollout's.
-        The same numbers as a separate forward, one forward less per step."""
-        return self.updates_per_step > 1 or self.cfg.algo.kl_in_reward
+        The same numbers as a separate forward, one forward less per step. Rejection by divergence
+        (``algo.rollout_rs``) and batch-normalised weights need every token's old log-prob before the
+        first micro-batch: the forward runs for them too."""
+        algo = self.cfg.algo
+        return (self.updates_per_step > 1 or algo.kl_in_reward or algo.rollout_rs is not None
+                or algo.rollout_is_batch_normalize)
 
     @property
     def logs_rollout_gap(self) -> bool:
@@ -307,13 +311,7 @@ class Trainer:
         logprobs, _ = self.actor.compute_logprobs(batch, temperature=self.temperature,
                                                   micro_batch_size=self.cfg.actor.micro_batch_size)
         batch["old_logprobs"] = logprobs.cpu()
-        mask = batch["response_mask"]
-        gap = (logprobs.cpu() - batch["rollout_logprobs"]).abs()
-        acc.add("rollout/logprob_abs_diff", (gap * mask).sum().item() / max(mask.sum().item(), 1), mask.sum().item())
-        if "staleness" in batch:  # tokens the current weights sampled: only numerical mismatch, as on-policy
-            fresh = (batch["staleness"] == 0).float() * mask  # (a concat pads with 0)
-            if fresh.sum() > 0:
-                acc.add("async/logprob_abs_diff_fresh", (gap * fresh).sum().item() / fresh.sum().item(), fresh.sum().item())
+        log_rollout_gap(acc, logprobs, batch)
 
     def ref_logprobs(self, batch: RolloutBatch) -> None:
         if self.ref is None:
