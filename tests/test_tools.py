@@ -236,3 +236,10 @@ def test_supports_tools_renders_the_template_with_and_without_tools() -> None:
     assert not supports_tools(_tokenizer(PLAIN))
     assert not supports_tools(_tokenizer(None))
     assert not supports_tools(_tokenizer("{{ raise_exception('no') }}"))
+
+
+def test_python_calls_from_several_episodes_run_side_by_side() -> None:
+    with ToolRunner(TOOLS, workers=4) as runner:
+        futures = [runner.submit([ToolCall("python", {"code": f"print({i} * 11)"}, "call00000")]) for i in range(6)]
+        assert [f.result(timeout=300)[0]["content"] for f in futures] == [str(i * 11) for i in range(6)]
+        assert runner.take_stats().errors == 0
