@@ -243,3 +243,22 @@ def test_python_calls_from_several_episodes_run_side_by_side() -> None:
         futures = [runner.submit([ToolCall("python", {"code": f"print({i} * 11)"}, "call00000")]) for i in range(6)]
         assert [f.result(timeout=300)[0]["content"] for f in futures] == [str(i * 11) for i in range(6)]
         assert runner.take_stats().errors == 0
+
+
+def test_calls_left_waiting_when_the_runner_closes_are_answered_as_errors() -> None:
+    release, started = threading.Event(), threading.Event()
+
+    def wait() -> str:
+        """Block until released."""
+        started.set()
+        assert release.wait(60)
+        return "ran"
+
+    runner = ToolRunner(dict(TOOLS, wait=tool_from_function(wait)), workers=1)
+    future = runner.submit_results([ToolCall("wait", {}, "call00000"), ToolCall("wait", {}, "call00001")])
+    assert started.wait(60)
+    runner.close()  # the first call is running (it finishes); the second has not started: it is cancelled
+    release.set()
+    first, second = future.result(timeout=60)
+    assert (first.content, first.error) == ("ran", False)
+    assert second.error and "the tool runner was closed" in second.content

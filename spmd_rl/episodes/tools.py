@@ -470,8 +470,12 @@ class ToolRunner:
             return out
 
         def finished(i: int, call: ToolCall | ToolCallError, future: Future[ToolResult]) -> None:
-            error = future.exception()
-            result = future.result() if error is None else ToolResult(call, f"error: {error}", True, 0.0)
+            if future.cancelled():
+                result = ToolResult(call, "error: not run: the tool runner was closed", True, 0.0)
+            elif future.exception() is not None:  # run_call does not raise; this keeps the future from hanging
+                result = ToolResult(call, f"error: {future.exception()}", True, 0.0)
+            else:
+                result = future.result()
             with self._lock:
                 results[i] = result
                 left[0] -= 1
@@ -489,8 +493,14 @@ class ToolRunner:
     def submit(self, calls: Sequence[ToolCall | ToolCallError], *, as_user: bool = False) -> Future[list[dict]]:
         """A future of the tool messages answering ``calls`` (see :func:`tool_messages`)."""
         out: Future[list[dict]] = Future()
-        self.submit_results(calls).add_done_callback(
-            lambda f: out.set_result(tool_messages(f.result(), as_user=as_user)))
+
+        def answered(results: Future[list[ToolResult]]) -> None:
+            try:
+                out.set_result(tool_messages(results.result(), as_user=as_user))
+            except Exception as e:  # not expected; the caller sees it instead of waiting forever
+                out.set_exception(e)
+
+        self.submit_results(calls).add_done_callback(answered)
         return out
 
     def take_stats(self) -> ToolStats:
