@@ -12,7 +12,8 @@ before the user's code runs:
 
 * sets resource limits: ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_CPU`` (about the wall-clock limit),
   ``RLIMIT_FSIZE`` (``file_mb``: files it writes, its stdout and stderr included), ``RLIMIT_NOFILE``,
-  ``RLIMIT_CORE`` 0 and, when not root (root is exempt from it), ``RLIMIT_NPROC`` 0;
+  ``RLIMIT_CORE`` 0 and, when not root (root is exempt from it), ``RLIMIT_NPROC`` 0 (no new processes
+  or threads);
 * enters new user and network namespaces (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``) where the
   kernel allows it (``SandboxResult.network_namespace``): no interface but a down loopback;
 * installs an audit hook (``sys.addaudithook``; a hook cannot be removed) that refuses, with a
