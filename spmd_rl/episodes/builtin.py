@@ -4,8 +4,8 @@
   one guess (the last integer in the reply), answered "Higher." or "Lower."; reward 1 when found within
   ``max_guesses`` turns, else 0. Rows: ``{"target": 7, "low": 1, "high": 16, "max_guesses": 5}``, made by
   :func:`guess_number_rows`. The defaults, 1..16 in 5 guesses, are exactly what halving the interval
-  always solves (16 numbers need at most 5 guesses) while guessing blindly finds the number about a
-  third of the time: a signal a small model can improve on within a few turns.
+  always solves (16 numbers need at most 5 guesses), while 5 distinct guesses that ignore the hints
+  find it with probability 5/16: a signal a small model can improve on within a few turns.
 * ``python_math`` (:class:`PythonMathEnv`): a question with a numeric answer (``question`` and
   ``answer``; a GSM8K ``answer`` with ``#### x`` is read as ``x``), the ``python`` tool available. A reply
   with tool calls gets the tools' answers (the environment runs them itself, in the thread that calls
