@@ -4,7 +4,7 @@
 #
 #   launch/check_layout.sh --nnodes 2 --nproc 8 -- --config configs/gsm8k.yaml --actor.fsdp.fsdp-size 8
 #   launch/check_layout.sh --world-size 16 --nproc 8 --json -- --config configs/gsm8k.yaml --actor.engine megatron \
-#       --actor.megatron.tp 2
+#       --actor.megatron.tp 2 --model.path /models/Qwen2.5-7B-Instruct
 #
 # Options:
 #   --nnodes N       nodes of the planned run (default: 1)

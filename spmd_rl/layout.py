@@ -1,12 +1,13 @@
 """Print every rank's pools, mesh coordinates and groups for a config, with no processes started.
 
     python -m spmd_rl.layout --config configs/gsm8k.yaml --world-size 16 --nproc-per-node 8
-    python -m spmd_rl.layout --actor.engine megatron --actor.megatron.tp 2 --world-size 8 --json
+    python -m spmd_rl.layout --model.path /models/Qwen2.5-7B-Instruct --actor.engine megatron --actor.megatron.tp 2 --world-size 8 --json
     python -m spmd_rl.layout --pools.rollout-ranks 2 --pools.colocate 2 --world-size 4 --nproc-per-node 4
 
 Takes every flag of ``spmd_rl.train`` (same config loading) plus its own. It runs the same
 validation as the trainer (:func:`spmd_rl.plan.plan`), so an invalid layout exits non-zero
-with the trainer's message. The text output is tables (ranks, then groups); ``--json`` prints one
+with the trainer's message; it reads the model's heads and layers from ``--model.path`` when this
+machine has it (:func:`spmd_rl.models.shape.read_model_shape`) and checks tp / pp / sp against them. The text output is tables (ranks, then groups); ``--json`` prints one
 object ``{"world_size", "pools", "ranks": [...], "groups": {"<mesh>.<axis>": [[global ranks], ...]}}``;
 each rank has its ``"pools"`` (name -> rank in that pool) and its ``"gpu"`` (device index on its node,
 from ``--nproc-per-node`` and ``--pools.colocate``). The rollout's groups (``rollout.tp`` / ``.pp`` /
@@ -15,6 +16,7 @@ from ``--nproc-per-node`` and ``--pools.colocate``). The rollout's groups (``rol
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from typing import Annotated, Any
 import tyro
 
 from spmd_rl.config import load_config
+from spmd_rl.models.shape import read_model_shape
 from spmd_rl.plan import Plan, plan
 from spmd_rl.engine import engine_spec
 
@@ -69,6 +72,7 @@ def describe(p: Plan) -> dict[str, Any]:
         "nproc_per_node": p.nproc_per_node,
         "engine": p.engine,
         "engine_models": engine_spec(p.engine).models(),
+        "model": None if p.model is None else dataclasses.asdict(p.model),
         "colocate": p.colocate,
         "pools": [{"name": s.name, "start": s.start, "size": s.size} for s in p.pools],
         "memory_fractions": dict(p.memory_fractions),
@@ -106,6 +110,8 @@ def render(p: Plan) -> str:
     out.append(f"world size {p.world_size}{nodes}; actor engine {p.engine}; "
                f"actor data-parallel size {p.dp_size}; rollout data-parallel size {p.rollout_dp_size}")
     out.append(f"actor engine {p.engine} trains: {engine_spec(p.engine).models()}")
+    out.append(f"model {p.model.describe()}" if p.model is not None else
+               "model: not a local folder, .gguf file or built-in name here: its heads and layers are not checked")
     out.append("pools: " + "; ".join(f"{s.name} = global ranks {s.start}..{s.end - 1} ({s.size})" for s in p.pools))
     for name, why in p.unavailable.items():
         out.append(f"{name}: n/a ({why})")
@@ -148,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, flags = load_config(argv, prog="spmd_rl.layout", extra=LayoutFlags, description=__doc__)
         if flags.world_size is None:
             raise ValueError("--world-size is required (the number of processes of the run)")
-        p = plan(cfg, flags.world_size, flags.nproc_per_node)
+        shape = read_model_shape(cfg.model.path, cache_dir=cfg.model.cache_dir)
+        p = plan(cfg, flags.world_size, flags.nproc_per_node, model_shape=shape)
     except (ValueError, FileNotFoundError) as e:
         print(f"spmd_rl.layout: error: {e}", file=sys.stderr)
         return 2

@@ -2,12 +2,16 @@
 group exists.
 
     p = plan(cfg, world_size=16, nproc_per_node=8)      # ValueError naming the flags and numbers
+    p = plan(cfg, 2, model_shape=read_model_shape(cfg.model.path))   # + tp / pp / sp against the model's heads
     p.fsdp.groups(), p.rollout.coords(3), p.pool("reward"), p.dp_rank(5), p.counts_in_sums(5)
 
 :func:`plan` is the one judge of a run's configuration: every rule that spans config sections or
 depends on the world size is checked here, before any process group exists (a section's own rules
-live in its ``__post_init__``; an engine checks only what it alone can know, such as a model's head
-count against tp). ``python -m spmd_rl.train``, the trainer and the layout tool
+live in its ``__post_init__``). Given the model's shape (``model_shape``, read from its ``config.json``
+or GGUF header by :func:`spmd_rl.models.shape.read_model_shape`; the trainer and the layout tool pass
+it), it also refuses a tp / pp / sp degree that does not divide the model's heads or layers, through
+the engine's and the backend's ``model_rules``; the engines check the same again once the model is
+loaded. ``python -m spmd_rl.train``, the trainer and the layout tool
 (``python -m spmd_rl.layout``) all call it. The layouts live in :mod:`spmd_rl.distributed.dims`;
 what differs between training engines and rollout backends comes from their registries
 (:mod:`spmd_rl.engine`, :mod:`spmd_rl.rollout`), so nothing here branches on their names. It sits
@@ -29,6 +33,7 @@ from spmd_rl.rollout import backend_spec
 
 if TYPE_CHECKING:
     from spmd_rl.config import Config
+    from spmd_rl.models.shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class Plan:
     unavailable: dict[str, str] = field(default_factory=dict, hash=False)
     warnings: tuple[str, ...] = ()
     """What is valid now but will fail where the run starts (e.g. a missing library)."""
+    model: ModelShape | None = None
+    """The model's shape the layouts were checked against (None: not known, those checks not made)."""
 
     # ---- the actor's batch view: the trainer asks these, never the engine's name
     @property
@@ -158,9 +165,11 @@ class Plan:
         return out
 
 
-def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Plan:
+def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None, *,
+         model_shape: ModelShape | None = None) -> Plan:
     """Validate a run's layouts, batch sizes and cross-section rules for ``world_size`` processes;
-    no process group needed.
+    no process group needed. ``model_shape``: the model's heads and layers, checked against the
+    engine's and the rollout's degrees (None: those checks are skipped).
 
     Raises ``ValueError`` naming the flags and numbers of the first rule broken.
     """
@@ -194,6 +203,9 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
     fractions = _memory_fractions(cfg, specs, world_size, nproc_per_node)
     _check_engine(cfg, engine)
     _check_backend(cfg, backend, rollout)
+    if model_shape is not None:  # the model's heads and layers against tp / pp / sp
+        engine.model_rules(cfg.actor, model_shape)
+        backend.model_rules(cfg.rollout, model_shape)
     _check_batch_sizes(cfg, rollout, rollout_pool, actor)
     tb, mb = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
     return Plan(
@@ -202,7 +214,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None) -> Pla
         reward_fsdp=reward_fsdp, teacher_fsdp=teacher_fsdp, rollout_prompts_per_replica=tb // rollout.dp_size,
         actor_prompts_per_mini_batch=mb // actor.dp_size, colocate=pools.colocate, memory_fractions=fractions,
         rollout_backend=cfg.rollout.backend,
-        unavailable=unavailable, warnings=tuple(warnings),
+        unavailable=unavailable, warnings=tuple(warnings), model=model_shape,
     )
 
 

@@ -31,6 +31,7 @@ _PARENT_PID = os.getppid()  # before the imports below: the launcher that starte
 from typing import TYPE_CHECKING
 
 from spmd_rl.config import load_config
+from spmd_rl.models.shape import read_model_shape
 from spmd_rl.plan import plan
 from spmd_rl.distributed.process import die_with_parent, exit_now, run_entry
 
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(env.rank, env.hostname)
     try:
         cfg = load_config(argv)
-        run_plan = plan(cfg, env.world_size, env.local_world_size)  # every layout rule, before any group
+        shape = read_model_shape(cfg.model.path, cache_dir=cfg.model.cache_dir)  # config.json / GGUF header
+        run_plan = plan(cfg, env.world_size, env.local_world_size, model_shape=shape)  # every rule, before any group
     except (ValueError, FileNotFoundError) as e:
         # Every rank finds the same error. Rank 0 reports it at once; the others wait, so that none of
         # them exits first and has torchrun stop rank 0 before it printed (then torchrun stops them

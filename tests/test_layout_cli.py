@@ -59,6 +59,7 @@ def test_json_hsdp_8_ranks() -> None:
 def test_json_megatron_tp2_pp2_16_ranks() -> None:
     out = run_layout("--world-size", "16", "--nproc-per-node", "8", "--actor.engine", "megatron",
                      "--actor.megatron.tp", "2", "--actor.megatron.pp", "2", "--rollout.tp", "2", "--rollout.backend", "vllm",
+                     "--model.path", "tiny-random",
                      "--data.train-batch-size", "8", "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
@@ -91,7 +92,8 @@ def test_reward_pool_tables_and_json() -> None:
 
 def test_megatron_beside_a_rollout_pool() -> None:
     """megatron tp 2 on the actor pool (global ranks 0-7), the built-in rollout dp 8 on the rollout pool (8-15)."""
-    args = ["--world-size", "16", "--nproc-per-node", "8", "--actor.engine", "megatron", "--actor.megatron.tp", "2",
+    args = ["--world-size", "16", "--nproc-per-node", "8", "--model.path", "tiny-random", "--actor.engine", "megatron",
+            "--actor.megatron.tp", "2",
             "--pools.rollout-ranks", "8", "--data.train-batch-size", "8"]
     out = run_layout(*args)
     assert out.returncode == 0, out.stderr
@@ -145,7 +147,7 @@ def test_seed_example_vllm_tp4_on_a_rollout_pool_of_8() -> None:
     from spmd_rl.rollout.vllm_groups import vllm_group_ranks
 
     out = run_layout("--world-size", "16", "--nproc-per-node", "8", "--actor.engine", "megatron",
-                     "--actor.megatron.tp", "2", "--pools.rollout-ranks", "8",
+                     "--actor.megatron.tp", "2", "--pools.rollout-ranks", "8", "--model.path", "tiny-random",
                      "--rollout.backend", "vllm", "--rollout.tp", "4", "--json")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)

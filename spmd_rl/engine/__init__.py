@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from spmd_rl.engine.base import TrainEngine
 
     from spmd_rl.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, TeacherConfig
+    from spmd_rl.models.shape import ModelShape
 
 Role = Literal["actor", "ref", "critic"]
 
@@ -62,6 +63,9 @@ class EngineSpec:
     """It trains LoRA adapters (``actor.lora.rank`` > 0) and its actor is its own reference then."""
     moe_aux: bool = False
     """It adds an MoE router's load-balancing loss to the actor loss (``algo.moe_aux_coef`` > 0)."""
+    model_rules: Callable[[ActorConfig, ModelShape], None] = field(default=lambda actor, shape: None)
+    """What its layout asks of the model's shape (heads, layers, widths against tp / pp / sp); plan()
+    calls it when the model's shape is known (ValueError naming the flag and the model's numbers)."""
     models: Callable[[], str] = field(default=lambda: "")
     """The models it trains, in words (the layout tool prints it; :mod:`spmd_rl.models.families`, imported
     only when asked: it loads transformers)."""
@@ -74,6 +78,32 @@ def _fsdp_layouts(actor: ActorConfig, size: int) -> dict[str, Any]:
 def _megatron_layouts(actor: ActorConfig, size: int) -> dict[str, Any]:
     m = actor.megatron
     return {"megatron": MegatronLayout(size, tp=m.tp, pp=m.pp, cp=m.cp, ep=m.ep, etp=m.etp, vpp=m.vpp, order=m.order)}
+
+
+def _fsdp_model_rules(actor: ActorConfig, shape: ModelShape) -> None:
+    from spmd_rl.models.shape import require_divides
+
+    # Ulysses splits the heads over the sp ranks (spmd_rl.engine.ulysses.check_heads, at build)
+    require_divides("--actor.fsdp.ulysses-size", actor.fsdp.ulysses_size, shape, heads=shape.heads,
+                    kv_heads=shape.kv_heads)
+
+
+def _megatron_model_rules(actor: ActorConfig, shape: ModelShape) -> None:
+    """The rules of spmd_rl.engine.megatron.model.check_layout (which checks them again at build), from the
+    shape alone; the vocabulary is padded to a multiple of tp there, so it needs no rule."""
+    from spmd_rl.models.shape import require_divides
+
+    m = actor.megatron
+    require_divides("--actor.megatron.tp", m.tp, shape, heads=shape.heads, kv_heads=shape.kv_heads,
+                    intermediate=shape.expert_intermediate if shape.experts else shape.intermediate)
+    require_divides(f"--actor.megatron.pp {m.pp} x --actor.megatron.vpp {m.vpp} =", m.pp * m.vpp, shape,
+                    layers=shape.layers)
+    if shape.experts:
+        require_divides("--actor.megatron.ep", m.ep, shape, experts=shape.experts)
+        require_divides("--actor.megatron.etp", m.etp or m.tp, shape, expert_intermediate=shape.expert_intermediate)
+    elif m.ep > 1:
+        raise ValueError(f"--actor.megatron.ep {m.ep} > 1 needs a mixture-of-experts model; {shape.describe()} "
+                         f"is dense")
 
 
 def _build_fsdp(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelConfig, seed: int, groups: Any,
@@ -143,9 +173,10 @@ def _megatron_models() -> str:
 ENGINES: dict[str, EngineSpec] = {
     "fsdp": EngineSpec(layouts=_fsdp_layouts, meshes=("fsdp", "ulysses"), batch_layout="ulysses", build=_build_fsdp,
                        critic=True, lora=True, moe_aux=True,
-                       models=_fsdp_models),
+                       model_rules=_fsdp_model_rules, models=_fsdp_models),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
-                           export_copy=True, ignored_flags=_megatron_ignored, models=_megatron_models),
+                           export_copy=True, ignored_flags=_megatron_ignored, model_rules=_megatron_model_rules,
+                           models=_megatron_models),
 }
 
 

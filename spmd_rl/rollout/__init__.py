@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from spmd_rl.config import RolloutConfig
+    from spmd_rl.models.shape import ModelShape
 
     from .base import GenerationOutput, RolloutEngine
     from .native import NativeRollout
@@ -85,6 +86,20 @@ def _vllm_check(rollout: RolloutConfig) -> None:
             f"use --rollout.top-k 0 --rollout.top-p 1.0 with vllm (got top_k={rollout.top_k}, top_p={rollout.top_p})")
 
 
+def _vllm_model_rules(rollout: RolloutConfig, shape: ModelShape) -> None:
+    """vLLM's own rules for splitting the model: tp divides the attention heads, and the key/value heads
+    (or is a multiple of them: each is then replicated); pp at most the layers (split unevenly). It pads
+    the vocabulary, which needs no rule."""
+    from spmd_rl.models.shape import require_divides
+
+    require_divides("--rollout.tp", rollout.tp, shape, heads=shape.heads)
+    if shape.kv_heads % rollout.tp and rollout.tp % shape.kv_heads:
+        raise ValueError(f"--rollout.tp {rollout.tp} must divide the model's {shape.kv_heads} key/value heads or be "
+                         f"a multiple of them ({shape.describe()})")
+    if rollout.pp > shape.layers:
+        raise ValueError(f"--rollout.pp {rollout.pp} exceeds the model's {shape.layers} layers ({shape.describe()})")
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """One rollout backend: its constructor and what :func:`spmd_rl.plan.plan` must know."""
@@ -100,6 +115,9 @@ class BackendSpec:
     its constructor as ``pool_groups`` on the pool's ranks. None: the engine needs none of its own."""
     check: Callable[[RolloutConfig], None] = _no_check
     """Rules of the ``rollout`` section that only this backend has."""
+    model_rules: Callable[[RolloutConfig, ModelShape], None] = lambda rollout, shape: None
+    """What its ``rollout.tp`` / ``rollout.pp`` ask of the model's shape (plan() calls it when the shape is
+    known; ValueError naming the flag and the model's numbers)."""
     partial: bool = False
     """Its ``generate`` takes a ``swap`` callback (``rollout.partial``: responses continued under new weights)."""
     stream: bool = False
@@ -114,7 +132,7 @@ BACKENDS: dict[str, BackendSpec] = {
     "native": BackendSpec(factory=_native, options=_native_options, model_parallel=False, partial=True,
                           stream=True, stage_weights=True),
     "vllm": BackendSpec(factory=_vllm, options=_vllm_options, model_parallel=True,
-                        pool_groups=_vllm_pool_groups, check=_vllm_check),
+                        pool_groups=_vllm_pool_groups, check=_vllm_check, model_rules=_vllm_model_rules),
 }
 
 
