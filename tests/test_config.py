@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -23,7 +24,8 @@ RULES = [
     (["--data.task", "file"], "data.task=file reads a file: set --data.path"),
     (["--data.task", "gsm8k"], "data.task=gsm8k reads a file: set --data.path"),
     (["--rollout.n", "0"], "rollout.n must be >= 1, got 0"),
-    (["--rollout.temperature", "-0.5"], "rollout.temperature must be >= 0, got -0.5"),
+    (["--rollout.temperature", "-0.5"], "rollout.temperature must be a finite number >= 0 (0 = greedy), got -0.5"),
+    (["--rollout.temperature", "inf"], "rollout.temperature must be a finite number >= 0 (0 = greedy), got inf"),
     (["--rollout.top-p", "0"], "rollout.top_p must be in (0, 1], got 0.0"),
     (["--rollout.top-k", "-1"], "rollout.top_k must be >= 0, got -1"),
     (["--rollout.max-new-tokens", "0"], "rollout.max_new_tokens must be >= 1, got 0"),
@@ -43,7 +45,14 @@ RULES = [
     (["--actor.megatron.ep", "0"], "actor.megatron.ep must be >= 1, got 0"),
     (["--actor.megatron.etp", "0"], "actor.megatron.etp must be >= 1, got 0"),
     (["--actor.megatron.order", "tp-dp-pp"], "actor.megatron.order must name tp, cp, ep, dp, pp once each"),
-    (["--actor.lr", "0"], "actor.lr must be > 0, got 0.0"),
+    (["--actor.lr", "0"], "actor.lr must be a finite number > 0, got 0.0"),
+    (["--actor.lr", "inf"], "actor.lr must be a finite number > 0, got inf"),
+    (["--actor.lr", "nan"], "actor.lr must be a finite number > 0, got nan"),
+    (["--actor.lr", "-1e-5"], "actor.lr must be a finite number > 0, got -1e-05"),
+    (["--actor.betas", "1.5", "0.999"], "actor.betas must be two numbers in [0, 1), got 1.5 0.999"),
+    (["--actor.betas", "0.9", "nan"], "actor.betas must be two numbers in [0, 1), got 0.9 nan"),
+    (["--actor.weight-decay", "-0.1"], "actor.weight_decay must be a finite number >= 0, got -0.1"),
+    (["--critic.lr", "inf"], "critic.lr must be a finite number > 0, got inf"),
     (["--actor.warmup-steps", "-1"], "actor.warmup_steps must be >= 0, got -1"),
     (["--actor.min-lr-ratio", "2"], "actor.min_lr_ratio must be in [0, 1], got 2.0"),
     (["--actor.grad-clip", "-1"], "actor.grad_clip must be >= 0, got -1.0"),
@@ -66,6 +75,10 @@ RULES = [
     (["--trainer.dist-timeout-s", "60"], "trainer.stall_timeout_s (600) must be below trainer.dist_timeout_s (60)"),
     (["--checkpoint.every", "-1"], "checkpoint.every must be >= 0, got -1"),
     (["--checkpoint.keep", "0"], "checkpoint.keep must be >= 1, got 0"),
+    (["--checkpoint.every-s", "-1"], "checkpoint.every_s must be a number of seconds >= 0 (0 = off), got -1.0"),
+    (["--checkpoint.every-s", "inf"], "checkpoint.every_s must be a number of seconds >= 0 (0 = off), got inf"),
+    (["--checkpoint.save-signal", "SIGFOO"], "checkpoint.save_signal: unknown signal 'SIGFOO'; e.g. SIGUSR1"),
+    (["--checkpoint.save-signal", "KILL"], "checkpoint.save_signal: unknown signal 'KILL'"),
 ]
 
 
@@ -113,7 +126,7 @@ YAML_TYPES = [
     ("trainer:\n  profile_steps: [2, 4.0]\n", ("trainer.profile_steps", [2, 4])),
     ("actor:\n  fsdp:\n    keep_logits_gib: 2\n", ("actor.fsdp.keep_logits_gib", 2.0)),
     ("actor:\n  fsdp:\n    keep_logits_gib:\n", ("actor.fsdp.keep_logits_gib", None)),
-    ("actor:\n  betas: [0.8, 1]\n", ("actor.betas", (0.8, 1.0))),
+    ("actor:\n  betas: [0.8, 0]\n", ("actor.betas", (0.8, 0.0))),
     ("algo:\n  use_kl_loss: \"false\"\n",
      "p.yaml: algo.use_kl_loss: expected true or false, got the string 'false': write false without quotes"),
     ("algo:\n  use_kl_loss: 0\n", "p.yaml: algo.use_kl_loss: expected true or false, got the integer 0"),
@@ -151,6 +164,38 @@ def test_yaml_values_are_checked_against_their_types(tmp_path, monkeypatch, text
     for part in key.split("."):
         got = getattr(got, part)
     assert got == value and type(got) is type(value)
+
+
+@pytest.mark.parametrize("text,where,problem", [
+    ("actor:\n  lr: 1e-5\n  betas: [0.9, 0.99\nrollout:\n  n: 4\n", ":4:8:", "expected ',' or ']', but got ':'"),
+    ("rollout:\n  n: 4\n  top_p: a: b\n", ":3:11:", "mapping values are not allowed here"),
+    ("rollout:\n\tn: 4\n", ":2:1:", "found character '\\t' that cannot start any token"),
+])
+def test_yaml_syntax_error_is_one_line_naming_the_file_and_line(tmp_path, text, where, problem):
+    """A YAML syntax error is a config error (a ValueError naming the file, line and column, which
+    ``spmd_rl.train`` prints as one line with status 2), not PyYAML's raw ParserError."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        load_config(["--config", str(path)])
+    message = str(info.value)
+    assert message.startswith(f"{path}{where} YAML syntax error: {problem}"), message
+    assert "\n" not in message
+
+
+def test_train_reports_a_yaml_syntax_error_in_one_line(tmp_path):
+    """The program: exit status 2 and one line on stderr (before: 1, and three tracebacks)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  n: 4\n  top_p: a: b\n")
+    proc = subprocess.run([sys.executable, "-m", "spmd_rl.train", "--config", str(path)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [f"spmd_rl.train: invalid configuration: {path}:3:11: YAML syntax error: mapping values are not "
+                     "allowed here"], proc.stderr[-3000:]
 
 
 def test_missing_yaml_file():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -169,10 +170,14 @@ class ActorConfig:
     """LoRA adapters instead of full fine-tuning (`actor.lora.rank` > 0)."""
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, f"actor.lr must be > 0, got {self.lr}")
+        _check(math.isfinite(self.lr) and self.lr > 0, f"actor.lr must be a finite number > 0, got {self.lr}")
+        _check(all(math.isfinite(b) and 0 <= b < 1 for b in self.betas),
+               f"actor.betas must be two numbers in [0, 1), got {' '.join(f'{b:g}' for b in self.betas)}")
+        _check(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+               f"actor.weight_decay must be a finite number >= 0, got {self.weight_decay}")
         _check(self.warmup_steps >= 0, f"actor.warmup_steps must be >= 0, got {self.warmup_steps}")
         _check(0 <= self.min_lr_ratio <= 1, f"actor.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _check(self.grad_clip >= 0, f"actor.grad_clip must be >= 0, got {self.grad_clip}")
+        _check(math.isfinite(self.grad_clip) and self.grad_clip >= 0, f"actor.grad_clip must be >= 0, got {self.grad_clip}")
         _check(self.skip_nonfinite_updates >= 0,
                f"actor.skip_nonfinite_updates must be >= 0, got {self.skip_nonfinite_updates}")
         _check(self.ppo_mini_batch_size >= 1, f"actor.ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
@@ -228,7 +233,7 @@ class CriticConfig:
     """Passes of the critic over the step's data; None = `actor.ppo_epochs`."""
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, f"critic.lr must be > 0, got {self.lr}")
+        _check(math.isfinite(self.lr) and self.lr > 0, f"critic.lr must be a finite number > 0, got {self.lr}")
         _check(self.warmup_steps >= 0, f"critic.warmup_steps must be >= 0, got {self.warmup_steps}")
         _check(self.grad_clip >= 0, f"critic.grad_clip must be >= 0, got {self.grad_clip}")
         _check(self.cliprange_value >= 0, f"critic.cliprange_value must be >= 0, got {self.cliprange_value}")

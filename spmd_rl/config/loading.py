@@ -160,12 +160,25 @@ def from_yaml(path: str) -> Config:
     """Read a YAML preset into a :class:`Config`; missing keys keep their defaults."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--config {path}: no such file")
-    with open(path) as f:
-        data = _move_keys(yaml.safe_load(f) or {})
+    with open(path, "rb") as f:
+        text = f.read()
+    try:
+        data = _move_keys(yaml.safe_load(text) or {})
+    except yaml.YAMLError as e:  # a syntax error: one line with the file, line and column
+        raise ValueError(_yaml_error(path, e)) from None
     try:
         return _from_dict(Config, data, "")
     except (TypeError, ValueError) as e:  # every message names the file and the key
         raise ValueError(f"{path}: {e}") from e
+
+
+def _yaml_error(path: str, e: yaml.YAMLError) -> str:
+    """``preset.yaml:3:7: YAML syntax error: mapping values are not allowed here`` (PyYAML's marks are 0-based)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    return f"{where}: YAML syntax error: {problem}" + (f" ({context})" if context else "")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

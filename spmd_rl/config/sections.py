@@ -5,6 +5,7 @@ engines' sections (``actor``, ``ref``) live in :mod:`.engines`, the check helper
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -160,7 +161,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, f"rollout.n must be >= 1, got {self.n}")
-        _check(self.temperature >= 0, f"rollout.temperature must be >= 0, got {self.temperature}")
+        _check(math.isfinite(self.temperature) and self.temperature >= 0,
+               f"rollout.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         _check(0 < self.top_p <= 1, f"rollout.top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, f"rollout.top_k must be >= 0, got {self.top_k}")
         _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -475,6 +477,10 @@ class LoggingConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     every: int = 0
+    debug: bool = False
+    """Print the traceback of an expected user error (a bad config, data file or reward function, an
+    output folder in use, a corrupt checkpoint) too; without it such an error ends the run with one
+    line from rank 0 and exit status 2 (docs/CHECKPOINTS.md)."""
     """Save every N steps (0 = only at the end)."""
     keep: int = 1
     """Keep the newest N checkpoints. One is enough to resume: a save is published (atomically)
@@ -489,10 +495,29 @@ class CheckpointConfig:
         _check(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
         _check(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
 
+    every_s: float = 0.0
+    """Also save when this many seconds passed since the last save (or the start), checked after
+    every step by rank 0's clock and decided by all ranks together (0 = off). Bounds the work a
+    crash loses in time; beside `checkpoint.every`, whichever comes first."""
+    save_signal: str = "SIGUSR1"
+    """An early-warning signal that, like SIGTERM and SIGINT, makes the run save at the end of the
+    step it is in and stop with exit status 75 (Slurm's `--signal=USR1@120`; empty = none). A second
+    signal ends the run at once, keeping the newest complete checkpoint."""
 
 @dataclass(kw_only=True)
 class Config:
     """GRPO / PPO-family RL for LLMs as one SPMD program. Start with `torchrun ... -m
+        _check(math.isfinite(self.every_s) and self.every_s >= 0,
+               f"checkpoint.every_s must be a number of seconds >= 0 (0 = off), got {self.every_s}")
+        _check(not self.save_signal or _is_signal(self.save_signal),
+               f"checkpoint.save_signal: unknown signal {self.save_signal!r}; e.g. SIGUSR1, SIGUSR2 (empty = none)")
+
+
+def _is_signal(name: str) -> bool:
+    import signal
+
+    text = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
+    return text in signal.Signals.__members__ and text not in ("SIGKILL", "SIGSTOP")
     spmd_rl.train [--config preset.yaml] [flags]`; flags override the YAML, which overrides the
     defaults."""
 
