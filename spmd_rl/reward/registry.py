@@ -21,7 +21,8 @@ the run with :class:`RewardError` naming the scorer, the sample and an excerpt
 call fails as a whole, the samples are re-scored one by one to find the bad ones.
 
 A user function that does not return within ``reward.timeout_s`` seconds (0 = no limit) stops the
-run with :class:`RewardError` naming the function and the sample it hangs on, whatever ``on_error``
+run with :class:`RewardError` naming the function and the call's first sample, after ``timeout_s``
+(the samples are not scored again one by one, which would wait as long again), whatever ``on_error``
 says: the call runs in a daemon thread that Python cannot stop, so the hung call keeps running there
 until the process exits, and going on would pile such threads up. The built-in scorers run in the
 calling thread with no limit (``math`` keeps math-verify's own per-answer timeouts, which need the
@@ -51,7 +52,8 @@ def no_reward(prompts: list[str], completions: list[str], **_: object) -> list[f
 
 BUILTIN: dict[str, ScoreFn] = {"math": math_reward, "countdown": countdown_reward, "format": format_reward,
                                "none": no_reward}
-AUTO: dict[str, str] = {"arithmetic": "math", "file": "math", "gsm8k": "math", "countdown": "countdown"}
+AUTO: dict[str, str] = {"arithmetic": "math", "file": "math", "gsm8k": "math", "countdown": "countdown",
+                         "guess_number": "math", "python_math": "math"}
 _EXCERPT = 80
 
 
@@ -192,7 +194,7 @@ class Scorer:
 
     def _timeout_error(self, index: int, err: _Timeout, prompts: Sequence[str], completions: Sequence[str]) -> RewardError:
         """Whatever ``on_error`` says (see the module docstring)."""
-        alone = f" (scored alone, after the call on all {len(completions)} timed out)" if len(completions) > 1 else ""
+        alone = f" (on a call with {len(completions)} completions; the first is shown)" if len(completions) > 1 else ""
         return self._error(index, f"{err}{alone}", prompts, completions,
                            note="a call that hangs cannot be stopped, so this stops the run even with "
                                 "reward.on_error=skip")
@@ -201,7 +203,7 @@ class Scorer:
         try:
             raw = self._call(prompts, completions, columns)
         except _BatchError as batch_err:
-            if isinstance(batch_err, _Timeout) and len(completions) == 1:
+            if isinstance(batch_err, _Timeout):  # no re-scoring one by one: that would wait timeout_s again
                 raise self._timeout_error(0, batch_err, prompts, completions) from None
             # Score each sample alone to find the bad ones (the one a timed-out call hangs on).
             raw = []

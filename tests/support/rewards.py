@@ -20,10 +20,15 @@ def raises_on_seven(prompts: list[str], completions: list[str], **columns: list)
     return [0.0 for _ in completions]
 
 
+HANG_CALLS = [0]
+"""How many times :func:`hangs_on_seven` was called in this process."""
+
+
 def hangs_on_seven(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
     """Never returns for a prompt that mentions 7 (a hung scorer): exercises `reward.timeout_s`."""
     import threading
 
+    HANG_CALLS[0] += 1
     if any("7" in p for p in prompts):
         threading.Event().wait()  # forever
     return [1.0 for _ in completions]
