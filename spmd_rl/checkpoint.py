@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
@@ -71,7 +72,9 @@ from spmd_rl.checkpoint_files import (
     write_file, write_manifest,
 )
 from spmd_rl.config import CheckpointConfig
+from spmd_rl.distributed import watchdog
 from spmd_rl.distributed.comm import all_gather_objects, broadcast_object, fail_together
+from spmd_rl.distributed.process import PREEMPTED, Preempted, stop_signal
 
 log = logging.getLogger("spmd_rl")
 # Weight files are not copied into a checkpoint's hf/ folder: the checkpoint holds the weights.
@@ -144,8 +147,16 @@ class Checkpointer:
             saved = read_meta(self.source)
             self.start_step = int(saved["step"])
             self.start_elapsed_s = float(saved.get("elapsed_s", 0.0))
+        if self.start_step > total_steps:  # every rank read the same meta.json: all refuse together
+            self.close()
+            raise ValueError(f"checkpoint {self.source} is at step {self.start_step}, past trainer.total_steps="
+                             f"{total_steps}: give --trainer.total-steps above {self.start_step} to train on, "
+                             "or --checkpoint.resume never to start over")
         self._clock_zero = time.time() - self.start_elapsed_s
         self._last_saved = self.start_step if self.source is not None else None
+        self.clock: Callable[[], float] = time.monotonic  # rank 0's clock decides checkpoint.every_s (tests swap it)
+        self._last_save_at = self.clock()
+        self.save_seconds = 0.0  # time spent saving since the last pop_timing() (rank 0's clock)
         if self.is_coordinator:
             if self.source is not None:
                 self.expected_bytes = folder_bytes(self.source)  # what the next save will need, about
@@ -275,6 +286,9 @@ class Checkpointer:
         log.info(f"resumed from {self.source} at step {meta['step']} in {time.perf_counter() - start:.2f} s"
                  + (f"; differences from the saving run: {'; '.join(diffs)}" if diffs else
                     "; same world and config as the saving run"))
+        if int(meta["step"]) == self.total_steps:
+            log.info(f"nothing to train: the checkpoint is at trainer.total_steps={self.total_steps} (the run is "
+                     "complete); give a larger --trainer.total-steps to train on")
         return int(meta["step"])
 
     # ------------------------------------------------------------------ save
@@ -287,15 +301,65 @@ class Checkpointer:
         return bool(every or final)
 
     def maybe_save(self, step: int, force: bool = False) -> Path | None:
-        """Save when :meth:`due` (or ``force``); returns the published folder or None."""
-        if not (force or self.due(step)):
-            return None
-        return self.save(step)
+        """Save when :meth:`due`, when ``checkpoint.every_s`` passed on rank 0's clock, on a stop signal
+        (any rank's) or with ``force``; returns the published folder or None. Collective: the ranks
+        decide together (:meth:`decide`). After a save for a stop signal it raises :class:`Preempted`
+        (every rank), unless ``step`` was the last."""
+        signum, timed = self.decide()
+        path = None
+        if force or timed or signum or self.due(step):
+            path = self.save(step) if self._last_saved != step else self.root / f"{STEP_PREFIX}{step}"
+        if signum and step < self.total_steps:
+            raise self._preempted(signum, step, path)
+        return path
+
+    def decide(self) -> tuple[int, bool]:
+        """(the stop signal any rank received, 0 if none; whether ``checkpoint.every_s`` has passed on
+        rank 0's clock): one all-reduce over the group, so every rank acts alike."""
+        timed = bool(self.cfg.every_s) and self.is_coordinator and self.clock() - self._last_save_at >= self.cfg.every_s
+        flags = [stop_signal() or 0, int(timed)]
+        if dist.is_initialized() and self.group_size > 1:
+            device = self.device if self.device is not None and self.device.type == "cuda" else torch.device("cpu")
+            both = torch.tensor(flags, dtype=torch.int64, device=device)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+            flags = both.tolist()
+        return int(flags[0]), bool(flags[1])
+
+    def _preempted(self, signum: int, step: int, path: Path | None) -> Preempted:
+        """The one line (rank 0) and the exception every rank raises after a save on a stop signal."""
+        name = signal.Signals(signum).name
+        if path is not None:
+            kept, what = str(path), f"saved {path}"
+        else:
+            newest = latest_checkpoint(self.root)
+            kept = None if newest is None else str(newest)
+            what = f"the save failed, the newest complete checkpoint is {kept}" if kept else "no checkpoint could be saved"
+        message = (f"stopped by {name} after step {step}/{self.total_steps}: {what}; run the same command again to "
+                   f"resume (exit status {PREEMPTED})")
+        if self.is_coordinator:
+            log.warning(message)
+        return Preempted(message, signum=signum, step=step, checkpoint=kept)
+
+    def pop_timing(self) -> dict[str, float]:
+        """``timing_s/checkpoint``: seconds spent saving since the last call (rank 0's clock); {} when none."""
+        seconds, self.save_seconds = self.save_seconds, 0.0
+        return {"timing_s/checkpoint": seconds} if seconds else {}
 
     def save(self, step: int) -> Path | None:
-        """Write ``step_<step>`` atomically (collective over the group). When the disk is full (or the
-        quota spent) the partial folder is removed and the previous checkpoint kept; a periodic save
-        then returns None after a warning and training goes on, the run's last save raises."""
+        """Write ``step_<step>`` atomically (collective over the group), as the watchdog's stage
+        ``checkpoint`` (a rank that hangs in it ends the run after ``trainer.stall_timeout_s``). When the
+        disk is full (or the quota spent) the partial folder is removed and the previous checkpoint
+        kept; a periodic save then returns None after a warning and training goes on, the run's last
+        save raises."""
+        start = time.perf_counter()
+        try:
+            with watchdog.current().stage("checkpoint", step):
+                return self._save(step)
+        finally:
+            self.save_seconds += time.perf_counter() - start
+            self._last_save_at = self.clock()
+
+    def _save(self, step: int) -> Path | None:
         start = time.perf_counter()
         name = f"{STEP_PREFIX}{step}"
         tmp = self.root / f"{TMP_PREFIX}{name}"
@@ -352,8 +416,10 @@ class Checkpointer:
         message = (f"checkpoint step_{step}: no space left in {self.root} (a checkpoint needs about "
                    f"{_bytes(needed)}, {_bytes(free)} free); removed the partial {tmp.name}, {kept}")
         if step >= self.total_steps:
+            again = ("it resumes from the kept checkpoint" if kept_path else
+                     "there is no checkpoint to resume from, so it starts over at step 0")
             raise OSError(errno.ENOSPC, f"{message}. Free space (or set --trainer.output-dir elsewhere) and run "
-                          "the same command again: it resumes from the kept checkpoint") from error
+                          f"the same command again: {again}") from error
         if self.is_coordinator:
             log.warning(f"!!! {message}. Training goes on without this checkpoint; the next save tries again. "
                         "Free space now, or a crash loses the steps since the kept checkpoint")

@@ -85,9 +85,13 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     root = Path(root)
     pointer = root / LATEST
     if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if target.name and is_complete(target):
-            return target
+        try:  # a corrupt pointer (bytes that are no name, a NUL) is no pointer: the newest complete one counts
+            target = root / pointer.read_text(encoding="utf-8").strip()
+            if target.name and is_complete(target):
+                return target
+        except (UnicodeDecodeError, ValueError, OSError) as e:
+            log.warning(f"{pointer} is unreadable ({type(e).__name__}: {e}); ignoring it and taking the newest "
+                        "complete step_N folder")
     complete = list_checkpoints(root)
     return complete[-1] if complete else None
 

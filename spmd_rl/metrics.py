@@ -18,6 +18,7 @@ peak of known GPUs; no MFU on CPU).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -134,7 +135,8 @@ class RunSink:
         # One run per folder: the trainer's Checkpointer took this lock first (in this process: a no-op
         # here); a sink opened on its own takes it before it appends to metrics.jsonl.
         self._locked = lock_output_dir(output_dir) is not None
-        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a") if logging_cfg.jsonl else None
+        # unbuffered: one write call per line, cut back to the last whole line when it fails (append_line)
+        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "ab", buffering=0) if logging_cfg.jsonl else None
         self.bar = None
         if logging_cfg.console:
             from tqdm import tqdm
@@ -188,8 +190,7 @@ class RunSink:
         record = {"step": step, "elapsed_s": round(elapsed_s, 3),
                   **{k: _round(v) for k, v in sorted(metrics.items())}}
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
+            append_line(self.jsonl, json.dumps(record) + "\n", step=step)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         if self.bar is not None and "timing_s/step" in metrics:
@@ -255,6 +256,26 @@ class BarSafeHandler(logging.StreamHandler):
             raise
         except Exception:
             self.handleError(record)
+
+
+def append_line(f: Any, line: str, *, step: int) -> None:
+    """Append ``line`` to the unbuffered binary file ``f`` in one write call; when it fails (a full
+    disk) or is cut short, truncate the file back to its last whole line and raise ``OSError`` saying
+    so, so that a resumed run finds no cut line."""
+    data = line.encode()
+    size = os.fstat(f.fileno()).st_size
+    try:
+        written = os.write(f.fileno(), data)
+        if written != len(data):
+            raise OSError(errno.ENOSPC, f"wrote {written} of {len(data)} bytes")
+    except OSError as e:
+        try:
+            os.ftruncate(f.fileno(), size)
+        except OSError:
+            pass
+        raise OSError(e.errno, f"{f.name}: cannot append the line of step {step} ({e.strerror or e}); the file keeps "
+                      "its whole lines up to the previous step. Free space and run the same command again: it "
+                      "resumes from the newest checkpoint") from None
 
 
 def setup_logging(rank: int, hostname: str) -> None:

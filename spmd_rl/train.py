@@ -10,6 +10,10 @@ error when it fails, so that no serving rank waits out the timeout).
 A bad configuration exits with status 2 and its message, printed by rank 0 at once; the other ranks
 wait ``REPORT_GRACE_S`` before printing it themselves, so that none of them exits first and has
 torchrun stop rank 0 before it printed.
+Other expected user errors (a bad data file, a reward function that fails, an output folder another
+run holds, a corrupt checkpoint: :data:`USER_ERRORS`) end the same way with one line from rank 0 and
+status 2; ``--logging.debug`` adds the traceback. SIGTERM, SIGINT and ``checkpoint.save_signal`` save
+a checkpoint at the end of the step and end with status 75 (``PREEMPTED``, docs/CHECKPOINTS.md).
 
 Run as a program, the process ends through :func:`run`: a torchrun worker dies with its agent
 (``kill -9`` of torchrun: SIGTERM, :func:`~spmd_rl.distributed.process.die_with_parent`), an
@@ -21,6 +25,7 @@ after ``trainer.stall_timeout_s`` (:mod:`spmd_rl.distributed.watchdog`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
@@ -33,7 +38,9 @@ from typing import TYPE_CHECKING
 from spmd_rl.config import load_config
 from spmd_rl.models.shape import read_model_shape
 from spmd_rl.plan import plan
-from spmd_rl.distributed.process import die_with_parent, exit_now, run_entry
+from spmd_rl.distributed.process import (
+    PREEMPTED, USER_ERROR, Preempted, catch_stop_signals, die_with_parent, exit_now, run_entry,
+)
 
 if TYPE_CHECKING:
     from spmd_rl.distributed.env import DistEnv
@@ -45,8 +52,11 @@ REPORT_GRACE_S = 3.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun worker: end with the agent, even a kill -9'd one
+    torchrun = bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+    if torchrun:  # a torchrun worker: end with the agent, even a kill -9'd one
         die_with_parent(_PARENT_PID)
+    # SIGTERM / SIGINT: save at the end of the step and stop (Preempted); at once when the agent is gone
+    catch_stop_signals(parent_pid=_PARENT_PID if torchrun else None)
     if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
         load_config(argv)  # prints the flags and exits, before torch is imported (below)
     from spmd_rl.compiled import use_compile_cache
@@ -69,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         where = "" if env.is_main else f" (rank {env.rank})"
         print(f"spmd_rl.train: invalid configuration{where}: {e}", file=sys.stderr, flush=True)
         return 2
+    if cfg.checkpoint.save_signal:  # the early warning (Slurm's --signal=USR1@120) too
+        catch_stop_signals(("SIGTERM", "SIGINT", cfg.checkpoint.save_signal), parent_pid=_PARENT_PID if torchrun else None)
     from spmd_rl.models.builtin import cache_root
 
     use_compile_cache(cache_root(cfg.model.cache_dir) / "compile")  # before anything compiles
@@ -94,14 +106,20 @@ def main(argv: list[str] | None = None) -> int:
             env.shutdown()
     trainer = None
     error = None
+    code = 0
     try:
         trainer = Trainer(cfg, env, groups=groups)
         trainer.fit()
+    except Preempted:  # saved; its one line is logged: the serving pools are told to stop, not to abort
+        code = PREEMPTED
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"
-        if len(run_plan.pools) > 1:  # logged before the other pools are told, which may end the job
-            log.error("rank %d failed, stopping the other pools: %s", env.rank, error)
-        raise
+        line = user_error(e, setup=trainer is None)
+        if line is None:
+            if len(run_plan.pools) > 1:  # logged before the other pools are told, which may end the job
+                log.error("rank %d failed, stopping the other pools: %s", env.rank, error)
+            raise
+        code = report_user_error(line, env, debug=cfg.logging.debug)
     finally:
         watchdog.stop()  # the loop is over: a rank closing (wandb upload) while the others have left is no stall
         for link in groups.links.values():  # stop, or abort with the error
@@ -109,7 +127,55 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None:
             trainer.close()
         env.shutdown()
-    return 0
+    return code
+
+
+USER_ERRORS = ("OutputDirInUse", "CorruptCheckpoint", "RewardError")
+"""What an expected user error is raised as (by name, also when another rank raised it): an output
+folder in use, a corrupt checkpoint, a reward function that fails."""
+SETUP_ERRORS = USER_ERRORS + ("ValueError", "OSError", "FileNotFoundError", "IsADirectoryError", "NotADirectoryError",
+                              "PermissionError", "JSONDecodeError", "UnicodeDecodeError")
+"""...and while the trainer is built (before the first step), what a bad data file, model path or
+setting is raised as; during the steps these keep their traceback (they may be bugs)."""
+
+
+def user_error(e: BaseException, *, setup: bool) -> str | None:
+    """The one line reporting ``e`` when it is an expected user error (:data:`USER_ERRORS`, or
+    :data:`SETUP_ERRORS` during ``setup``; on this rank or, through
+    :class:`~spmd_rl.distributed.comm.RankFailure`, on every rank that failed), else None: an
+    unexpected error keeps its traceback."""
+    from spmd_rl.distributed.comm import RankFailure
+
+    expected = SETUP_ERRORS if setup else USER_ERRORS
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk: the message says what is kept
+        return f"no space left: {_one_line(e.strerror or str(e))}"
+    if isinstance(e, RankFailure):
+        if not e.failures or any(kind not in expected for _, _, kind, _ in e.failures):
+            return None
+        rank, _, kind, message = e.failures[0]
+        return f"rank {rank}: {kind}: {_one_line(message)}"
+    if type(e).__name__ not in expected:
+        return None
+    return f"{type(e).__name__}: {_one_line(str(e))}"
+
+
+def _one_line(text: str) -> str:
+    return "; ".join(part.strip() for part in text.strip().splitlines() if part.strip())
+
+
+def report_user_error(line: str, env: DistEnv, *, debug: bool) -> int:
+    """Rank 0 prints ``line`` (and the traceback with ``logging.debug``); the others print only with
+    ``logging.debug`` and wait :data:`REPORT_GRACE_S` first, so that rank 0 is not stopped before it
+    printed (as for a configuration error). Returns :data:`~spmd_rl.distributed.process.USER_ERROR`."""
+    import traceback
+
+    if debug:
+        traceback.print_exc()
+    if env.is_main:
+        print(f"spmd_rl.train: error: {line}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(REPORT_GRACE_S)
+    return USER_ERROR
 
 
 def cap_memory(run_plan: object, env: DistEnv) -> None:
@@ -127,8 +193,10 @@ def cap_memory(run_plan: object, env: DistEnv) -> None:
 
 
 def run(argv: list[str] | None = None) -> None:
-    """The program: :func:`main`'s status (0, 2 for a bad configuration, 1 with the traceback
-    printed on an error), ended without interpreter finalization (spmd_rl.distributed.process)."""
+    """The program: :func:`main`'s status (0; 2 for a bad configuration or another expected user error,
+    one line from rank 0; 75 when a stop signal stopped the run after its checkpoint; 1 with the
+    traceback printed on any other error), ended without interpreter finalization
+    (spmd_rl.distributed.process)."""
     exit_now(run_entry(main, argv))
 
 

@@ -379,6 +379,7 @@ class Trainer:
         mean score and accuracy over all answers, pass@k and mean@k (spmd_rl.passk)."""
         if not self.val_samples:
             return {}
+        metrics.update(self.checkpointer.pop_timing())  # the saves since the last step's line (after step - 1)
         self.rollout.sync(self.actor, self.policy_version)
         sampling = dict(n=self.cfg.trainer.val_n, temperature=self.cfg.trainer.val_temperature, top_p=1.0, top_k=0,
                         max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)

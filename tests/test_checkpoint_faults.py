@@ -411,3 +411,152 @@ def test_torchrun_auto_resume_skips_a_corrupt_checkpoint_and_loads_an_unverified
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert (run / "checkpoints" / "step_4" / MANIFEST).is_file()  # re-saved, verified next time
+
+
+# --------------------------------------------------------------------------- holes: pointer, last save, total steps
+
+
+def _holes_body(rank: int, world_size: int, tmp: str) -> dict:
+    import spmd_rl.checkpoint as checkpoint_module
+
+    table, out = TABLE * world_size, {}
+    # 1. the run's last save finds the disk full and there is no earlier checkpoint
+    first = Checkpointer(checkpoint=CheckpointConfig(), output_dir=f"{tmp}/first", total_steps=2, rank_table=table)
+    first.track(actor=_Component())
+    real_write_file = checkpoint_module.write_file
+
+    def no_space(path, text):
+        if path.name == "rank_1.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write_file(path, text)
+
+    if rank == 1:
+        checkpoint_module.write_file = no_space
+    out["final"] = _outcome(lambda: first.save(2))
+    checkpoint_module.write_file = real_write_file
+    first.close()
+    # 2. a complete step_4 whose `latest` pointer holds bytes that are no name (not UTF-8, a NUL)
+    saver = Checkpointer(checkpoint=CheckpointConfig(), output_dir=f"{tmp}/second", total_steps=4, rank_table=table)
+    saver.track(actor=_Component())
+    saver.save(4)
+    saver.close()
+    if rank == 0:
+        (Path(tmp) / "second" / "checkpoints" / "latest").write_bytes(b"\xff\xfestep_4\x00\n")
+    torch.distributed.barrier()
+    try:
+        resumed = Checkpointer(checkpoint=CheckpointConfig(), output_dir=f"{tmp}/second", total_steps=6,
+                               rank_table=table)
+        out["pointer"] = ("ok", str(resumed.source))
+        resumed.close()
+    except BaseException as e:  # noqa: BLE001
+        out["pointer"] = (type(e).__name__, str(e))
+    # 3. resuming step_4 with trainer.total_steps 3: refused on every rank, the folder's lock released
+    out["below"] = _outcome(lambda: Checkpointer(checkpoint=CheckpointConfig(), output_dir=f"{tmp}/second",
+                                                 total_steps=3, rank_table=table))
+    torch.distributed.barrier()
+    out["relocked"] = _outcome(lambda: Checkpointer(checkpoint=CheckpointConfig(), output_dir=f"{tmp}/second",
+                                                    total_steps=4, rank_table=table).close())
+    return out
+
+
+def test_checkpoint_holes_pointer_last_save_and_total_steps(tmp_path, caplog):
+    """A full disk at the last save with no earlier checkpoint does not promise a resume from one; a
+    ``latest`` pointer of non-UTF-8 bytes is a corrupt pointer (the newest complete step_N is taken,
+    a warning says so), not a UnicodeDecodeError; a checkpoint past ``trainer.total_steps`` is refused
+    naming both steps and the flags (before: the run exited 0 without a word)."""
+    ranks = run_distributed(_holes_body, 2, str(tmp_path))
+    for out in ranks:
+        kind, message = out["final"]
+        assert kind == "OSError", out["final"]
+        assert "there is no earlier checkpoint in it" in message, message
+        assert "there is no checkpoint to resume from, so it starts over at step 0" in message, message
+        assert "resumes from the kept checkpoint" not in message, message
+        assert out["pointer"] == ("ok", str(tmp_path / "second" / "checkpoints" / "step_4")), out["pointer"]
+        kind, message = out["below"]
+        assert kind == "ValueError", out["below"]
+        assert f"checkpoint {tmp_path / 'second' / 'checkpoints' / 'step_4'} is at step 4, past " \
+               "trainer.total_steps=3: give --trainer.total-steps above 4 to train on, or --checkpoint.resume never" \
+               in message, message
+        assert out["relocked"] == ("ok", "None"), out["relocked"]
+
+
+def test_metrics_line_on_a_full_disk_is_not_cut(tmp_path):
+    """The disk fills while rank 0 appends a step's line to metrics.jsonl (a file size limit stands in
+    for it): the file keeps whole lines only, and the error says which step and what to do."""
+    script = f"""
+import json, os, resource, signal, sys
+sys.path[:0] = [{REPO!r}]
+from spmd_rl.config import LoggingConfig
+from spmd_rl.metrics import RunSink
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+sink = RunSink(logging_cfg=LoggingConfig(console=False, wandb="off"), output_dir={str(tmp_path)!r}, total_steps=3,
+               start_step=0, config_dict={{}})
+sink.log({{"a": 1.0}}, 1)
+size = os.path.getsize(os.path.join({str(tmp_path)!r}, "metrics.jsonl"))
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 40, resource.RLIM_INFINITY))
+try:
+    sink.log({{f"metric/{{i}}": float(i) for i in range(20)}}, 2)
+except OSError as e:
+    print("ERROR", e)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=cpu_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ERROR" in proc.stdout and "metrics.jsonl: cannot append the line of step 2" in proc.stdout, proc.stdout
+    assert "run the same command again" in proc.stdout
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in lines] == [1] and lines[-1].endswith("\n"), lines
+
+
+# --------------------------------------------------------------------------- one line per user error
+
+
+def _one_line(proc) -> str:
+    """The run's report: status 2, one ``spmd_rl.train: error:`` line, no traceback."""
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-5000:]}"
+    lines = [line for line in proc.stderr.splitlines() if "spmd_rl.train: error:" in line]
+    assert len(lines) == 1, proc.stderr[-5000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-5000:]
+    return lines[0]
+
+
+def test_a_bad_data_file_is_one_line(tmp_path):
+    bad = tmp_path / "data.jsonl"
+    bad.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2", "answer": \n')
+    line = _one_line(torchrun(tmp_path / "run", "--data.task", "file", "--data.path", str(bad)))
+    assert f"data.jsonl:2: invalid JSON" in line, line
+
+
+def test_a_used_output_folder_is_one_line(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    lock_output_dir(out)
+    try:
+        line = _one_line(torchrun(out, "--trainer.total-steps", "1"))
+    finally:
+        unlock_output_dir(out)
+    assert "is in use by another run" in line and f"pid {os.getpid()}" in line, line
+
+
+def test_a_failing_reward_function_is_one_line(tmp_path):
+    line = _one_line(torchrun(tmp_path / "run", "--trainer.total-steps", "2", "--reward.fn",
+                              "support.rewards:raises_on_seven"))
+    assert "reward.fn=support.rewards:raises_on_seven failed on sample" in line, line
+
+
+def test_a_corrupt_checkpoint_is_one_line_and_debug_adds_the_traceback(saved_run, tmp_path):
+    run, bad = _corrupt_copy(saved_run, tmp_path, "truncated shard")
+    line = _one_line(torchrun(run, "--trainer.total-steps", "6", "--checkpoint.resume",
+                              str(run / "checkpoints" / "step_4")))
+    assert "CorruptCheckpoint" in line and bad in line, line
+    proc = torchrun(run, "--trainer.total-steps", "6", "--checkpoint.resume", str(run / "checkpoints" / "step_4"),
+                    "--logging.debug")
+    assert proc.returncode == 2 and "Traceback" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_total_steps_below_the_checkpoint_is_one_line(saved_run, tmp_path):
+    run = tmp_path / "copy"
+    shutil.copytree(saved_run, run, ignore=shutil.ignore_patterns(LOCK))
+    line = _one_line(torchrun(run, "--trainer.total-steps", "3"))
+    assert "is at step 4, past trainer.total_steps=3" in line, line
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]

@@ -48,7 +48,12 @@ class RowBatch(Protocol):
     def concat(parts: list[Any], pad_token_id: int) -> Any: ...
 
 class RankFailure(RuntimeError):
-    """Raised on every rank of a group when any rank failed inside :func:`fail_together`."""
+    """Raised on every rank of a group when any rank failed inside :func:`fail_together`;
+    ``failures``: (rank, host, exception type name, message) of each rank that failed."""
+
+    def __init__(self, message: str, failures: list[tuple[int, str, str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.failures = failures or []
 
 
 def _world(group: dist.ProcessGroup | None) -> int:
@@ -112,12 +117,14 @@ def fail_together(*, group: dist.ProcessGroup | None = None, what: str) -> Itera
         error = e
     if _world(group) > 1:
         me = dist.get_rank()
-        message = None if error is None else f"{type(error).__name__}: {error}"
-        reports = all_gather_objects((me, socket.gethostname(), message), group)
-        failed = [(r, h, m) for r, h, m in reports if m is not None]
+        kind = None if error is None else type(error).__name__
+        message = None if error is None else f"{kind}: {error}"
+        reports = all_gather_objects((me, socket.gethostname(), message, kind), group)
+        failed = [(r, h, m, k) for r, h, m, k in reports if m is not None]
         if failed and error is None:
-            lines = "\n".join(f"  rank {r} ({h}): {m}" for r, h, m in failed)
-            raise RankFailure(f"{what} failed on {len(failed)} rank(s):\n{lines}")
+            lines = "\n".join(f"  rank {r} ({h}): {m}" for r, h, m, _ in failed)
+            raise RankFailure(f"{what} failed on {len(failed)} rank(s):\n{lines}",
+                              [(r, h, k, m[len(k) + 2:]) for r, h, m, k in failed])
     if error is not None:
         raise error
 

@@ -26,6 +26,16 @@ shows the first failure by that time, so the rank's real error is the root cause
 rank torchrun stopped. A rank that only fails because another one did (``RankFailure`` from
 ``fail_together``) dates its file a second later (the times are whole seconds), so that the rank
 where the error happened is the root cause. The traceback is printed as Python would, status 1.
+
+**Stop signals.** :func:`catch_stop_signals` turns SIGTERM, SIGINT (and e.g. SIGUSR1, Slurm's early
+warning) into a request: the process goes on to the next step boundary, where the checkpointer
+decides with the other ranks to save and stop (:class:`Preempted`, exit status :data:`PREEMPTED`).
+The signals are read by a daemon thread through Python's wakeup fd, so they are seen even while the
+main thread blocks in a collective. Copies of one signal that arrive together (SIGINT from the
+terminal reaches every process of the group, and torchrun forwards its own copy) count once; a
+signal :data:`REPEAT_S` or more after the first ends the process at once (status 128 + signal),
+which leaves at most a ``.tmp-`` folder that no resume reads. A signal after the launcher died
+(``die_with_parent``'s SIGTERM) ends the process at once too.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,6 +54,104 @@ import traceback
 from typing import Callable, NoReturn
 
 PR_SET_PDEATHSIG = 1
+PREEMPTED = 75
+"""Exit status of a run stopped by a signal after it saved its checkpoint (sysexits' EX_TEMPFAIL:
+run the same command again and it resumes); slurm/*.sbatch requeue the job on it."""
+USER_ERROR = 2
+"""Exit status of an expected user error (configuration, data, reward function, output folder,
+checkpoint): one line, no traceback unless ``logging.debug``."""
+REPEAT_S = 1.0
+"""A stop signal this long after the first is a second request, which ends the process at once."""
+
+
+class Preempted(Exception):
+    """The run stopped on a signal at a step boundary, after saving (``checkpoint`` None: nothing
+    to save). Every rank raises it together; the entry point ends with :data:`PREEMPTED`."""
+
+    def __init__(self, message: str, *, signum: int, step: int, checkpoint: str | None) -> None:
+        super().__init__(message)
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+
+
+class _StopSignals:
+    """The process's stop requests (see the module docstring): the first signal and when it came."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.first_at = 0.0
+        self.parent_pid: int | None = None
+        self.signals: tuple[int, ...] = ()
+        self.reader: socket.socket | None = None
+        self.pid = 0  # the process whose watcher thread reads ``reader`` (a forked child starts its own)
+
+    def received(self, signum: int) -> None:
+        now = time.monotonic()
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:  # the launcher is gone
+            _end_at_once(signum, "its launcher died")
+        if self.signum is None:
+            self.signum, self.first_at = signum, now
+        elif now - self.first_at >= REPEAT_S:
+            _end_at_once(signum, "a second stop signal")
+
+    def watch(self) -> None:
+        while True:
+            try:
+                data = self.reader.recv(64)  # type: ignore[union-attr]
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in self.signals:
+                    self.received(signum)
+
+
+_STOP = _StopSignals()
+
+
+def _end_at_once(signum: int, why: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        name = signal.Signals(signum).name
+        os.write(2, f"spmd_rl: {name} ({why}): ending now; a checkpoint being written is left unpublished and "
+                    "the newest complete one is kept\n".encode())
+    exit_now(128 + signum, run_exit_handlers=False)
+
+
+def signal_number(name: str | int) -> int:
+    """``"SIGUSR1"``, ``"USR1"`` or ``10`` -> the signal's number; ValueError naming the choices."""
+    if isinstance(name, int) or str(name).isdigit():
+        return int(name)
+    text = str(name).upper()
+    text = text if text.startswith("SIG") else "SIG" + text
+    try:
+        return int(signal.Signals[text])
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r}; e.g. SIGUSR1, SIGUSR2, SIGHUP") from None
+
+
+def catch_stop_signals(names: tuple[str, ...] = ("SIGTERM", "SIGINT"), *, parent_pid: int | None = None) -> bool:
+    """From now on the signals ``names`` request a stop at the next step boundary instead of ending
+    the process (module docstring). Main thread only; ``parent_pid``: the launcher, whose death makes
+    a signal end the process at once. False when not in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    _STOP.parent_pid = parent_pid
+    _STOP.signals = tuple(sorted({signal_number(n) for n in names}))
+    if _STOP.reader is None or _STOP.pid != os.getpid():
+        _STOP.pid, _STOP.signum = os.getpid(), None
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        _STOP.reader, _STOP._writer = reader, writer  # type: ignore[attr-defined]
+        threading.Thread(target=_STOP.watch, name="spmd_rl stop signals", daemon=True).start()
+    for signum in _STOP.signals:
+        signal.signal(signum, lambda *_: None)  # the watcher thread acts on it (through the wakeup fd)
+    return True
+
+
+def stop_signal() -> int | None:
+    """The first stop signal this process received, or None."""
+    return _STOP.signum
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
@@ -96,10 +205,15 @@ def run_entry(main: Callable[[list[str] | None], int | None], argv: list[str] | 
         if isinstance(code, str):
             print(code, file=sys.stderr)
             code = 1
+    except Preempted:
+        code = PREEMPTED  # its one line was logged where it was decided
     except KeyboardInterrupt:
         traceback.print_exc()
         code = 130
     except BaseException as e:  # noqa: BLE001 - printed as Python would, then the process ends with 1
+        if _STOP.signum is not None:  # told to stop (by the launcher: another rank failed, or the job ends)
+            _stopped_by_signal(e)
+            return 128 + _STOP.signum
         traceback.print_exc()
         code = 1
         from spmd_rl.distributed.comm import RankFailure
@@ -109,6 +223,15 @@ def run_entry(main: Callable[[list[str] | None], int | None], argv: list[str] | 
     # The exception and its frames (trainer, groups) are released here; nothing is collected on
     # purpose: see the module docstring.
     return 0 if code is None else int(code)
+
+
+def _stopped_by_signal(error: BaseException) -> None:
+    """A rank that failed after a stop signal (its peers ended, or the launcher stops the job): one line
+    from rank 0, no traceback; the rank whose failure made the launcher stop the job printed its own."""
+    if os.environ.get("RANK", "0") == "0":
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        print(f"spmd_rl: stopped by {signal.Signals(_STOP.signum).name} (the job is stopping) while running: "  # type: ignore[arg-type]
+              f"{type(error).__name__}: {first}", file=sys.stderr, flush=True)
 
 
 def _date_error_file_later(seconds: int = 1) -> None:

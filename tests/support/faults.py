@@ -116,3 +116,48 @@ def digit_fraction_late_gloo_work(prompts: list[str], completions: list[str], **
             # not a daemon (scoring runs in a daemon thread, whose threads are daemons by default): the exit waits
             threading.Thread(target=late, name="late all_reduce", daemon=False).start()
     return digit_fraction(prompts, completions, **columns)
+
+
+def digit_fraction_signalled(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
+    """Rank 0, at its ``$SIGNAL_AT_CALL``-th scoring call (the reward stage of that step, validation
+    off), sends ``$SIGNAL_NAME`` (default SIGTERM) to ``$SIGNAL_TARGET``: ``launcher`` (the torchrun
+    agent, which forwards it to every worker, as Slurm's stop does), ``group`` (the process group: a
+    Ctrl-C in the terminal) or ``self``; then writes ``$SIGNAL_MARKER``. With ``$SIGNAL_AGAIN_AT_SAVE``
+    set, the signal is sent once more from the checkpoint save (a second signal during the save)."""
+    global _calls
+    _calls += 1
+    if os.environ.get("RANK") == "0" and _calls == int(os.environ["SIGNAL_AT_CALL"]):
+        _send_signal()
+        if os.environ.get("SIGNAL_AGAIN_AT_SAVE"):
+            _signal_again_in_the_save()
+        with open(os.environ["SIGNAL_MARKER"], "w") as f:
+            f.write(f"rank 0 sent {os.environ.get('SIGNAL_NAME', 'SIGTERM')} at scoring call {_calls}\n")
+    return digit_fraction(prompts, completions, **columns)
+
+
+def _send_signal() -> None:
+    sig = getattr(signal, os.environ.get("SIGNAL_NAME", "SIGTERM"))
+    target = os.environ.get("SIGNAL_TARGET", "launcher")
+    if target == "group":
+        os.killpg(os.getpgid(0), sig)
+    else:
+        os.kill(os.getppid() if target == "launcher" else os.getpid(), sig)
+
+
+def _signal_again_in_the_save() -> None:
+    """Send the signal again from inside the next checkpoint save, after its DCP files are written
+    and before it is published (the save's ``rng_state`` call), at least ``REPEAT_S`` later."""
+    import time
+
+    from spmd_rl import checkpoint
+    from spmd_rl.distributed.process import REPEAT_S
+
+    original = checkpoint.rng_state
+
+    def rng_state(device):
+        time.sleep(REPEAT_S + 0.5)
+        _send_signal()
+        time.sleep(30)  # ended by the second signal before this returns
+        return original(device)
+
+    checkpoint.rng_state = rng_state
