@@ -74,3 +74,36 @@ def test_a_hub_id_says_models_are_local_and_how_to_download(path: str, hub: bool
     name = path if hub else "ORG/NAME"
     assert f"`huggingface-cli download {name} --local-dir DIR`" in message and "--model.path DIR" in message
     assert ("looks like a Hugging Face Hub id" in message) == hub
+
+
+# --------------------------------------------------------------------------- data that is not here
+
+
+def test_a_missing_gsm8k_file_says_where_gsm8k_comes_from(tmp_path, monkeypatch) -> None:
+    from spmd_rl.config import load_config
+    from spmd_rl.data import build_prompts
+
+    monkeypatch.chdir(tmp_path)  # the preset's data/gsm8k/train.jsonl is relative to where you launch
+    cfg = load_config(["--config", os.path.join(REPO, "configs", "gsm8k.yaml")])
+    with pytest.raises(FileNotFoundError) as e:
+        build_prompts(cfg.data)
+    message = str(e.value)
+    assert message.startswith("data.path=data/gsm8k/train.jsonl: no such file")
+    assert "docs/TRAINING.md (GSM8K data)" in message
+    assert "--data.path tests/data/gsm8k/train.jsonl --data.val-path tests/data/gsm8k/test.jsonl" in message
+    doc = open(os.path.join(REPO, "docs", "TRAINING.md")).read()
+    assert "### GSM8K data" in doc and "grade_school_math/data/train.jsonl" in doc
+    for name in ("train.jsonl", "test.jsonl", "LICENSE"):  # the sample the message points to
+        assert os.path.isfile(os.path.join(REPO, "tests", "data", "gsm8k", name))
+    monkeypatch.chdir(REPO)  # the sample, as the message says to pass it
+    train, val = build_prompts(load_config(["--config", "configs/gsm8k.yaml", "--data.path", "tests/data/gsm8k/train.jsonl",
+                                            "--data.val-path", "tests/data/gsm8k/test.jsonl"]).data)
+    assert len(train) == 40 and len(val) == 42
+
+
+def test_a_file_task_without_a_path_says_so() -> None:
+    from spmd_rl.config import load_config
+    from spmd_rl.data import build_prompts
+
+    with pytest.raises(ValueError, match=r"data.task=gsm8k reads a file: set --data.path .*docs/TRAINING.md"):
+        build_prompts(load_config(["--data.task", "gsm8k"]).data)

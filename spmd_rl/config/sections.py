@@ -86,7 +86,9 @@ class DataConfig:
         _check(self.countdown_numbers >= 2, f"data.countdown_numbers must be >= 2, got {self.countdown_numbers}")
         _check(
             self.task in ("arithmetic", "countdown") or self.path is not None,
-            f"data.task={self.task} reads a file: set --data.path to a local .jsonl or .parquet file",
+            f"data.task={self.task} reads a file: set --data.path to a local .jsonl or .parquet file"
+            + ("; where GSM8K comes from: docs/TRAINING.md (GSM8K data), a 40-row sample: tests/data/gsm8k/"
+               if self.task == "gsm8k" else ""),
         )
 
 

@@ -187,6 +187,21 @@ def _file_task(cfg: DataConfig, path: str, flag: str) -> list[Sample]:
     return file_samples(records, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
 
 
+GSM8K_HINT = ("GSM8K is not in the repository: docs/TRAINING.md (GSM8K data) shows how to download its two "
+              "files into data/gsm8k/, where configs/gsm8k.yaml looks; the repository ships a 40-row sample: "
+              "--data.path tests/data/gsm8k/train.jsonl --data.val-path tests/data/gsm8k/test.jsonl")
+
+
+def _task_file(cfg: DataConfig, path: str, flag: str) -> list[Sample]:
+    """:func:`_file_task`, a missing GSM8K file answered with where GSM8K comes from."""
+    try:
+        return _file_task(cfg, path, flag)
+    except FileNotFoundError as e:
+        if cfg.task != "gsm8k":
+            raise
+        raise FileNotFoundError(f"{e}. {GSM8K_HINT}") from None
+
+
 def build_prompts(data_cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
     """``(train, val)`` samples of ``data.task``; see the module docstring for the val rules."""
     cfg = data_cfg
@@ -204,8 +219,9 @@ def build_prompts(data_cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
         )
     elif cfg.task in ("file", "gsm8k"):
         if cfg.path is None:
-            raise ValueError(f"data.task={cfg.task} reads a file: set --data.path to a local .jsonl or .parquet file")
-        train = _file_task(cfg, cfg.path, "data.path")
+            raise ValueError(f"data.task={cfg.task} reads a file: set --data.path to a local .jsonl or .parquet file"
+                             + (f". {GSM8K_HINT}" if cfg.task == "gsm8k" else ""))
+        train = _task_file(cfg, cfg.path, "data.path")
         if cfg.val_path is None:
             if len(train) <= cfg.val_size:
                 raise ValueError(
@@ -219,7 +235,7 @@ def build_prompts(data_cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
     else:
         raise ValueError(f"data.task: unknown task {cfg.task!r}; use arithmetic, countdown, file or gsm8k")
     if cfg.val_path is not None:
-        val = _file_task(cfg, cfg.val_path, "data.val_path")[: cfg.val_size]
+        val = _task_file(cfg, cfg.val_path, "data.val_path")[: cfg.val_size]
     return train, val
 
 
