@@ -21,6 +21,9 @@ os.environ.setdefault("SPMD_RL_CACHE", os.path.join(REPO, ".cache", "models"))
 # through NVML instead of initialising the CUDA driver: a process that initialised it cannot fork
 # children that use CUDA, and every subprocess inherits the setting.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# One thread per process, as CI runs (.ci/run): a test starts several rank processes, and each of
+# `pytest -n N`'s workers with a thread per core would oversubscribe the machine many times over.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 import logging  # noqa: E402
