@@ -23,6 +23,7 @@ from conftest import HERE, REPO
 from spmd_rl.distributed.bridge import RowRoute, WeightBridge, recv_rows, send_rows
 from spmd_rl.distributed.comm import RemoteFailure
 from spmd_rl.distributed.testing import cpu_env, free_port, run_distributed, run_program
+from support.deps import smollm2
 from support.tiny import tiny_model_folder
 from test_train_e2e import TINY, read_metrics
 
@@ -98,6 +99,7 @@ def test_teacher_distillation_colocated_and_on_a_pool(tmp_path):
     assert_same(base, learning_metrics(str(tmp_path / "pool")), "teacher pool")
 
 
+@smollm2  # the teacher named here is SmolLM2 (its tokenizer is the point)
 def test_teacher_with_another_tokenizer_is_refused(tmp_path):
     proc = run(str(tmp_path / "run"), "--teacher.model.path", "smollm2-135m-instruct", "--algo.distill-coef", "0.1",
                "--trainer.total-steps", "1", nproc=1)

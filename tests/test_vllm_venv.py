@@ -4,11 +4,14 @@ interpreter's packages instead). CPU only, no vllm: ``--no-install`` skips the p
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+
+import pytest
 
 from conftest import REPO
 
@@ -27,6 +30,16 @@ def purelib(env_dir: Path) -> Path:
     return Path(out.stdout.strip())
 
 
+def _installed(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _installed("spmd_rl"), reason="spmd_rl is not installed in this environment (the README's "
+                    "install line: pip install -e .), only on PYTHONPATH: there is no editable install to see")
 def test_venv_over_a_venv_sees_its_packages_and_editable_installs(tmp_path: Path) -> None:
     # outer: a venv over the environment running this test (a venv here, the system Python in CI),
     # plus a module of its own; inner: a venv over the outer venv, as the vLLM venv is made over
