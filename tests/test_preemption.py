@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,48 @@ def test_every_s_run_saves_by_time_and_logs_the_save_time(tmp_path):
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_1", "step_2", "step_3"]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert "timing_s/checkpoint" not in rows[0] and all(row["timing_s/checkpoint"] > 0 for row in rows[1:]), rows
+
+
+# --------------------------------------------------------------------------- the sbatch scripts' requeue
+
+
+@pytest.mark.parametrize("script", ["grpo.sbatch", "grpo_srun.sbatch"])
+def test_sbatch_forwards_the_early_warning_and_requeues(tmp_path, script):
+    """The batch script gets Slurm's USR1 (``--signal=B:USR1@180``): it forwards it to srun and, when
+    srun ends, requeues the job. ``srun`` and ``scontrol`` are stand-ins here (tests/test_slurm.py runs
+    the scripts on a real Slurm); the stand-in srun ends with 75 on USR1, as the trainer does."""
+    bin_dir, log, started = tmp_path / "bin", tmp_path / "calls", tmp_path / "started"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"""#!/usr/bin/env bash
+trap 'echo "srun got USR1" >> {log}; exit {PREEMPTED}' USR1
+echo "srun $*" >> {log}
+touch {started}
+for _ in $(seq 3000); do sleep 0.1; done
+exit 1
+""")
+    (bin_dir / "scontrol").write_text(f"""#!/usr/bin/env bash
+if [[ $1 == show ]]; then echo localhost; else echo "scontrol $*" >> {log}; fi
+""")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+           "SLURM_NNODES": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost", "SLURM_CPUS_ON_NODE": "2",
+           "NPROC_PER_NODE": "2"}
+    proc = subprocess.Popen(["bash", os.path.join(REPO, "slurm", script), "--trainer.total-steps", "3"], env=env,
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    calls = log.read_text()
+    assert "srun got USR1" in calls and "scontrol requeue 4242" in calls, calls + out
+    assert proc.returncode == PREEMPTED, out
+    assert "requeued, it resumes from it" in out, out
+    if script == "grpo.sbatch":
+        assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 170" in calls, calls
