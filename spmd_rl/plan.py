@@ -203,6 +203,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None, *,
     fractions = _memory_fractions(cfg, specs, world_size, nproc_per_node)
     _check_engine(cfg, engine)
     _check_backend(cfg, backend, rollout)
+    _check_episodes(cfg, backend, rollout_pool=ROLLOUT in by_name)
     if model_shape is not None:  # the model's heads and layers against tp / pp / sp
         engine.model_rules(cfg.actor, model_shape)
         backend.model_rules(cfg.rollout, model_shape)
@@ -275,6 +276,28 @@ def _check_backend(cfg: Config, backend: Any, rollout: RolloutLayout) -> None:
             f"rollout.backend={cfg.rollout.backend} holds a whole model per rank: use --rollout.tp 1 "
             f"--rollout.pp 1 or --rollout.backend vllm")
     backend.check(cfg.rollout)
+
+
+def _check_episodes(cfg: Config, backend: Any, *, rollout_pool: bool) -> None:
+    """Multi-turn episodes (``--env.*``): where they can run, and an episode's length."""
+    env = cfg.env
+    if not env.enabled:
+        return
+    name = f"env.fn={env.fn}" if env.fn else f"env.name={env.name}"
+    if not backend.stream:
+        raise ValueError(f"{name}: multi-turn episodes continue each episode from its exact tokens in one stream, "
+                         f"which rollout.backend={cfg.rollout.backend} cannot: use --rollout.backend native")
+    if rollout_pool:
+        raise ValueError(f"{name}: multi-turn episodes run on a colocated rollout; pools.rollout_ranks="
+                         f"{cfg.pools.rollout_ranks} puts the rollout on a pool of its own: set --pools.rollout-ranks 0")
+    if cfg.reward.model.path is not None:
+        raise ValueError(f"{name}: an episode's score is its environment's rewards; reward.model.path="
+                         f"{cfg.reward.model.path} would score it again: unset it")
+    budget, longest = cfg.actor.max_tokens_per_gpu, cfg.data.max_prompt_length + env.max_tokens
+    if budget is not None and longest > budget:
+        raise ValueError(f"actor.max_tokens_per_gpu ({budget}) is below data.max_prompt_length "
+                         f"({cfg.data.max_prompt_length}) + env.max_tokens ({env.max_tokens}) = {longest}, an "
+                         f"episode's longest sequence")
 
 
 def _check_batch_sizes(cfg: Config, rollout: RolloutLayout, rollout_pool: PoolSpec, actor: ActorLayout) -> None:

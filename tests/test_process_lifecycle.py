@@ -306,3 +306,37 @@ def test_killed_launcher_ends_its_workers(tmp_path):
     finally:
         go.write_text("go")
         kill_all(proc, workers)
+
+
+# --------------------------------------------------------------------------- stop signals
+
+
+STOP_SCRIPT = """
+import os, signal, socket, sys, time
+sys.path.insert(0, {repo!r})
+from spmd_rl.distributed import process
+process.catch_stop_signals(("SIGTERM", "SIGINT", "SIGUSR1"))
+if {replace_fd!r}:  # a library takes the wakeup fd: the handler records the signal itself
+    a, b = socket.socketpair(); b.setblocking(False); signal.set_wakeup_fd(b.fileno())
+os.kill(os.getpid(), signal.SIGUSR1)
+time.sleep(0.3)
+print("first", process.stop_signal(), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)  # a copy within REPEAT_S: the same request
+time.sleep(0.3)
+print("after a copy", process.stop_signal(), flush=True)
+time.sleep(process.REPEAT_S)
+os.kill(os.getpid(), signal.SIGTERM)  # a second request: ends the process at once
+time.sleep(30)
+print("still running", flush=True)
+"""
+
+
+@pytest.mark.parametrize("replace_fd", [False, True])
+def test_stop_signals_are_recorded_once_and_a_second_one_ends_the_process(replace_fd):
+    proc = subprocess.run([sys.executable, "-c", STOP_SCRIPT.format(repo=REPO, replace_fd=replace_fd)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines() == [f"first {int(signal.SIGUSR1)}", f"after a copy {int(signal.SIGUSR1)}"], \
+        proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert proc.stderr.strip() == ("spmd_rl: SIGTERM (a second stop signal): ending now; a checkpoint being written "
+                                   "is left unpublished and the newest complete one is kept"), proc.stderr

@@ -13,6 +13,7 @@ from spmd_rl.algo import parse_is_threshold, parse_rollout_rs
 
 from .checks import _check
 from .engines import ActorConfig, CriticConfig, FsdpConfig, MegatronConfig, RefConfig
+from .episodes import EnvConfig
 
 
 @dataclass(kw_only=True)
@@ -38,8 +39,9 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    task: Literal["arithmetic", "countdown", "file", "gsm8k"] = "arithmetic"
-    """Prompt source: a built-in generated task (`arithmetic`, `countdown`), a local JSONL/Parquet
+    task: Literal["arithmetic", "countdown", "guess_number", "python_math", "file", "gsm8k"] = "arithmetic"
+    """Prompt source: a built-in generated task (`arithmetic`, `countdown`; `guess_number` and
+    `python_math`, the rows of the built-in environments of `--env.name`), a local JSONL/Parquet
     file with `data.prompt_key` / `data.answer_key` columns (`file`), or a local file in the
     GSM8K format whose answers end in `#### N` (`gsm8k`)."""
     path: str | None = None
@@ -85,7 +87,7 @@ class DataConfig:
         _check(bool(self.ops) and set(self.ops) <= set("+-*"), f"data.ops must be a non-empty subset of '+-*', got {self.ops!r}")
         _check(self.countdown_numbers >= 2, f"data.countdown_numbers must be >= 2, got {self.countdown_numbers}")
         _check(
-            self.task in ("arithmetic", "countdown") or self.path is not None,
+            self.task in ("arithmetic", "countdown", "guess_number", "python_math") or self.path is not None,
             f"data.task={self.task} reads a file: set --data.path to a local .jsonl or .parquet file"
             + ("; where GSM8K comes from: docs/TRAINING.md (GSM8K data), a 40-row sample: tests/data/gsm8k/"
                if self.task == "gsm8k" else ""),
@@ -534,6 +536,7 @@ def _is_signal(name: str) -> bool:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,6 +1,8 @@
 """``RolloutBatch``: the responses of one step as they move through the seven stages.
 
-One row per response. Tensors are ``[B]`` or ``[B, T]`` (T = response tokens, right-padded);
+One row per response (one episode, in multi-turn runs: its response holds the model's turns and the
+environment's messages between them, ``context_mask``). Tensors are ``[B]`` or ``[B, T]`` (T =
+response tokens, right-padded);
 prompts stay as token lists since their lengths differ. All ``rollout.n`` responses of a prompt
 share a ``group_index`` (the prompt's position in the step's global batch) and stay on one rank,
 so group advantages are computed locally.
@@ -58,6 +60,17 @@ class RolloutBatch:
         return key in self.tensors
 
     @property
+    def present_mask(self) -> torch.Tensor:
+        """``[B, T]``, 1 on every response token there is: the model's and, in a multi-turn episode,
+        the environment's and tools' (``context_mask``), always a prefix of the row. What attention,
+        positions and packing see; ``response_mask`` marks the model's tokens only, the ones the
+        loss, advantages and metrics count."""
+        mask = self.tensors["response_mask"]
+        if "context_mask" not in self.tensors:
+            return mask
+        return mask + self.tensors["context_mask"].to(device=mask.device, dtype=mask.dtype)
+
+    @property
     def response_len(self) -> int:
         return int(self.tensors["response_ids"].shape[1])
 
@@ -109,7 +122,7 @@ class RolloutBatch:
     def model_inputs(self, pad_token_id: int, device: torch.device | None = None) -> ModelInputs:
         """Left-pad the prompts, append the right-padded responses, and build positions."""
         response_ids = self.tensors["response_ids"]
-        response_mask = self.tensors["response_mask"]
+        response_mask = self.present_mask
         rows, t = response_ids.shape
         width = max(len(p) for p in self.prompts)
         lengths = torch.tensor([len(p) for p in self.prompts], dtype=torch.long)

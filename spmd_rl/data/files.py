@@ -4,6 +4,7 @@
 for every ``data.task``:
 
 * ``arithmetic`` / ``countdown`` -- generated (see :mod:`spmd_rl.data.tasks`);
+* ``guess_number`` / ``python_math`` -- the built-in environments' generated rows (``--env.name``);
 * ``file`` -- records with ``data.prompt_key`` (a string, or a chat list of ``{role, content}``)
   and ``data.answer_key`` (string or number); every other key becomes a scorer column;
 * ``gsm8k`` -- records with ``question`` and ``answer``; the reference is the text after ``#### ``.
@@ -19,7 +20,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from spmd_rl.data.tasks import Sample, generate_arithmetic, generate_countdown
+from spmd_rl.data.tasks import Sample, generate_arithmetic, generate_countdown, generate_episode_rows
 
 if TYPE_CHECKING:
     from spmd_rl.config import DataConfig
@@ -217,6 +218,8 @@ def build_prompts(data_cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
             seed=cfg.seed, val_size=cfg.val_size, countdown_numbers=cfg.countdown_numbers,
             countdown_max=cfg.countdown_max,
         )
+    elif cfg.task in ("guess_number", "python_math"):
+        train, val = generate_episode_rows(cfg.task, seed=cfg.seed, val_size=cfg.val_size)
     elif cfg.task in ("file", "gsm8k"):
         if cfg.path is None:
             raise ValueError(f"data.task={cfg.task} reads a file: set --data.path to a local .jsonl or .parquet file"
@@ -233,7 +236,8 @@ def build_prompts(data_cfg: DataConfig) -> tuple[list[Sample], list[Sample]]:
         if not train:
             raise ValueError(f"data.path={cfg.path} holds no records")
     else:
-        raise ValueError(f"data.task: unknown task {cfg.task!r}; use arithmetic, countdown, file or gsm8k")
+        raise ValueError(f"data.task: unknown task {cfg.task!r}; use arithmetic, countdown, guess_number, "
+                         f"python_math, file or gsm8k")
     if cfg.val_path is not None:
         val = _task_file(cfg, cfg.val_path, "data.val_path")[: cfg.val_size]
     return train, val

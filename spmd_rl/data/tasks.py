@@ -46,6 +46,15 @@ class Sample:
     columns: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] | None = None
 
+    @property
+    def row(self) -> dict[str, Any]:
+        """The sample as a data row (what an environment's ``reset`` gets): ``prompt``, ``answer``,
+        ``messages`` when set, and every column."""
+        row: dict[str, Any] = {"prompt": self.prompt, "answer": self.answer}
+        if self.messages is not None:
+            row["messages"] = [dict(m) for m in self.messages]
+        return {**row, **self.columns}
+
 
 def columns_of(samples: Iterable[Sample]) -> dict[str, list[Any]]:
     """Column-wise view of samples for scorers: ``{"answer": [...], "target": [...], ...}``.
@@ -213,7 +222,24 @@ def generate_countdown(
     return _split("countdown", draw, seed=seed, val_size=val_size, space_hint=hint)
 
 
+def generate_episode_rows(task: str, *, seed: int, val_size: int) -> tuple[list[Sample], list[Sample]]:
+    """(train, val) rows of a built-in environment's task (``guess_number``, ``python_math``): each
+    row's fields are its sample's columns, which the environment's ``reset`` reads; the prompt is the
+    environment's first message (what a single-turn run of the same task shows). Held-out rows come
+    from their own seed: with 16 targets, ``guess_number``'s splits cannot be disjoint."""
+    from spmd_rl.episodes.builtin import GuessNumberEnv, PythonMathEnv, guess_number_rows, python_math_rows
+
+    make, env = {"guess_number": (guess_number_rows, GuessNumberEnv),
+                 "python_math": (python_math_rows, PythonMathEnv)}[task]
+
+    def samples(rows: list[dict]) -> list[Sample]:
+        return [Sample(prompt=env().reset(row)[-1]["content"], answer=str(row.get("answer", row.get("target"))),
+                       columns=dict(row)) for row in rows]
+
+    return samples(make(GENERATED_TRAIN_SIZE, seed)), samples(make(val_size, seed + 1))
+
+
 __all__ = [
     "COUNTDOWN_INSTRUCTION", "GENERATED_TRAIN_SIZE", "Sample", "arithmetic_question", "columns_of",
-    "countdown_prompt", "generate_arithmetic", "generate_countdown", "random_expression",
+    "countdown_prompt", "generate_arithmetic", "generate_countdown", "generate_episode_rows", "random_expression",
 ]

@@ -145,8 +145,18 @@ def catch_stop_signals(names: tuple[str, ...] = ("SIGTERM", "SIGINT"), *, parent
         _STOP.reader, _STOP._writer = reader, writer  # type: ignore[attr-defined]
         threading.Thread(target=_STOP.watch, name="spmd_rl stop signals", daemon=True).start()
     for signum in _STOP.signals:
-        signal.signal(signum, lambda *_: None)  # the watcher thread acts on it (through the wakeup fd)
+        signal.signal(signum, _on_signal)
     return True
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    """The Python-level handler (main thread, late when it is blocked): the watcher thread acts on
+    the signal through the wakeup fd; only if a library replaced that fd does the handler record it."""
+    ours = _STOP._writer.fileno()  # type: ignore[attr-defined]
+    current = signal.set_wakeup_fd(ours, warn_on_full_buffer=False)
+    if current != ours:
+        signal.set_wakeup_fd(current)  # theirs stays; this signal never reached the watcher
+        _STOP.received(signum)
 
 
 def stop_signal() -> int | None:

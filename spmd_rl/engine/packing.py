@@ -16,7 +16,8 @@ response token ``(b, t)``, the grid position whose logits predict it:
   than a padded row) and the per-token work (MLP, projections, head) runs on real tokens only.
 
 W is rounded up to a multiple of ``multiple`` (the Ulysses degree) so sp ranks get equal slices.
-The response mask of a row is a prefix (the rollout stops at EOS), which packing relies on.
+The tokens present in a row's response (:attr:`RolloutBatch.present_mask`: the model's, and in a
+multi-turn episode the environment's between its turns) are a prefix, which packing relies on.
 
 Dynamic micro-batches (``max_tokens`` set) group rows by their real token count (prompt +
 response) so each micro-batch stays within the budget, balanced by longest-first greedy
@@ -100,7 +101,7 @@ def first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
 
 
 def _packed(micro: RolloutBatch, pad_token_id: int, multiple: int) -> FlatBatch:
-    response_ids, mask = micro["response_ids"].cpu(), micro["response_mask"].cpu()
+    response_ids, mask = micro["response_ids"].cpu(), micro.present_mask.cpu()
     rows, t = response_ids.shape
     resp_lens = mask.sum(1).long().tolist()
     prompt_lens = [len(p) for p in micro.prompts]
@@ -147,7 +148,7 @@ def _packed(micro: RolloutBatch, pad_token_id: int, multiple: int) -> FlatBatch:
 
 def row_tokens(batch: RolloutBatch) -> list[int]:
     """Real tokens per row: prompt + valid response."""
-    resp = batch["response_mask"].sum(1).long().tolist()
+    resp = batch.present_mask.sum(1).long().tolist()
     return [len(p) + r for p, r in zip(batch.prompts, resp)]
 
 

@@ -22,7 +22,7 @@ from spmd_rl.algo.filtering import DynamicSampling
 from spmd_rl.data.batch import RolloutBatch
 from spmd_rl.metrics import MetricAccumulator
 from spmd_rl.source.ahead import GroupsInFlight, InFlight, RoundsAhead, StreamedGroups
-from spmd_rl.source.rollout import LocalRollout, PoolRollout, Rows
+from spmd_rl.source.rollout import Episodes, LocalRollout, PoolRollout, Rows
 from spmd_rl.source.rounds import ActorLayout, FilteredRounds, SyncRounds
 from spmd_rl.source.rows import Scorer, StepPrompts
 from spmd_rl.step import StageTimer
@@ -51,5 +51,5 @@ def build_batch_source(rollout: LocalRollout | PoolRollout, *, staleness: int, s
     return FilteredRounds(rounds, dynamic) if dynamic is not None else rounds
 
 
-__all__ = ["ActorLayout", "BatchSource", "FilteredRounds", "GroupsInFlight", "InFlight", "LocalRollout", "PoolRollout",
+__all__ = ["ActorLayout", "BatchSource", "Episodes", "FilteredRounds", "GroupsInFlight", "InFlight", "LocalRollout", "PoolRollout",
            "Rows", "RoundsAhead", "Scorer", "StepPrompts", "StreamedGroups", "SyncRounds", "build_batch_source"]

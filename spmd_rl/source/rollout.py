@@ -4,11 +4,12 @@
     rollout = PoolRollout(link, dtype=torch.bfloat16)                        # pools.rollout_ranks > 0
     rollout.sync(actor, version)                  # the actor's full tensors, when the rollout's are older
     rows = rollout.generate(indices, prompt_ids, sampling)   # one round: this rank's rows (:class:`Rows`)
-    mine, prompts, responses = rollout.answers(val_ids, sampling)           # validation: this rank's share
+    answers = rollout.answers(val_ids, sampling)   # validation: this rank's share (prompts, responses, scores)
 
 Colocated, each rollout data-parallel replica generates a contiguous share of the round's prompts
 (its tp x pp ranks the same rows), with the replica's seed; the rows are in the rollout's layout and
-a relayout moves them to the actor's. On a rollout pool the controller sends every prompt and the
+a relayout moves them to the actor's; with episodes (``--env.*``) each response is a multi-turn
+episode (:mod:`spmd_rl.episodes.runner`). On a rollout pool the controller sends every prompt and the
 rows come back already in the actor's layout (:mod:`spmd_rl.rollout.pool`).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -39,11 +40,46 @@ class Rows:
     actor_layout: bool
 
 
-class LocalRollout:
-    """The rollout engine in this process, taking turns on the device with the actor (hot-swap)."""
+@dataclass
+class Episodes:
+    """Multi-turn episodes instead of single responses (``--env.*``): the runner and the data rows
+    (as dicts) its environments start from, training and held-out."""
 
-    def __init__(self, engine: Any, *, place: Placement, sleep_level: int, dtype: torch.dtype | None) -> None:
+    runner: Any  # spmd_rl.episodes.runner.EpisodeRunner
+    train_rows: list[dict]
+    val_rows: list[dict]
+
+
+class Answers(NamedTuple):
+    """A rank's validation answers: each one's prompt (its index and ids), the response's tokens, and
+    with episodes the episode's reward (None: scored by the run's reward)."""
+
+    prompts: list[int]
+    prompt_ids: list[list[int]]
+    responses: list[list[int]]
+    scores: list[float] | None = None
+
+
+def episode_prompts(out: dict[str, torch.Tensor]) -> list[list[int]] | None:
+    """Each row's own prompt when the rows are episodes (an environment's first messages); else None."""
+    if "prompt_ids" not in out:
+        return None
+    return [row[:length].tolist() for row, length in zip(out["prompt_ids"], out["prompt_lengths"].tolist())]
+
+
+def episode_rewards(out: dict[str, torch.Tensor]) -> list[float] | None:
+    """Each episode's reward (the sum of its environment's step rewards); None for single responses."""
+    return out["env_reward"].tolist() if "env_reward" in out else None
+
+
+class LocalRollout:
+    """The rollout engine in this process, taking turns on the device with the actor (hot-swap);
+    with ``episodes``, each response is a multi-turn episode played on it."""
+
+    def __init__(self, engine: Any, *, place: Placement, sleep_level: int, dtype: torch.dtype | None,
+                 episodes: Episodes | None = None) -> None:
         self.engine, self.place, self.sleep_level, self.dtype = engine, place, sleep_level, dtype
+        self.episodes = episodes
         self.version = 0  # the policy version its weights are
 
     def sync(self, actor: Any, version: int) -> None:
@@ -55,36 +91,54 @@ class LocalRollout:
         self.version = version
 
     def generate(self, indices: list[int], prompt_ids: list[list[int]], sampling: dict) -> Rows:
-        """This replica's contiguous share of the round's prompts, ``sampling["n"]`` responses each."""
+        """This replica's contiguous share of the round's prompts, ``sampling["n"]`` responses (or
+        episodes) each."""
         dp, dp_size = self.place.rollout_dp, self.place.rollout_dp_size
         per_rank = len(indices) // dp_size
         mine = list(range(dp * per_rank, (dp + 1) * per_rank))
         self.engine.wake_up()
-        g = self.engine.generate([prompt_ids[indices[i]] for i in mine],
-                                 **{**sampling, "seed": replica_seed(sampling["seed"], dp)})
+        out = self._play(indices, mine, prompt_ids, {**sampling, "seed": replica_seed(sampling["seed"], dp)},
+                         rows=None if self.episodes is None else self.episodes.train_rows)
         self.engine.sleep(self.sleep_level)
-        out = {"response_ids": g.response_ids, "response_mask": g.response_mask, "logprobs": g.logprobs,
-               "truncated": g.truncated}
         n = sampling["n"]
         return Rows(indices, (mine[0] * n, (mine[-1] + 1) * n), out, weight=1.0, actor_layout=False)
 
-    def answers(self, prompt_ids: list[list[int]], sampling: dict) -> tuple[list[int], list[list[int]], list[list[int]]]:
-        """This rank's validation answers, with each one's prompt (index, ids), prompt-major."""
+    def _play(self, indices: list[int], mine: list[int], prompt_ids: list[list[int]], sampling: dict,
+              rows: list[dict] | None) -> dict[str, torch.Tensor]:
+        """``sampling["n"]`` responses to each of the prompts ``indices[i]`` for i in ``mine``, or with
+        episodes that many episodes of each of those data ``rows``, on the woken engine."""
+        if self.episodes is not None:
+            n, rest = sampling["n"], {k: v for k, v in sampling.items() if k != "n"}
+            out = self.episodes.runner.run(self.engine, [rows[indices[i]] for i in mine], n=n, sampling=rest)
+        else:
+            g = self.engine.generate([prompt_ids[indices[i]] for i in mine], **sampling)
+            out = {"response_ids": g.response_ids, "response_mask": g.response_mask, "logprobs": g.logprobs,
+                   "truncated": g.truncated}
+        return out
+
+    def answers(self, prompt_ids: list[list[int]], sampling: dict) -> Answers:
+        """This rank's validation answers, with each one's prompt (index, ids), prompt-major; with
+        episodes, each one's reward too."""
         place = self.place
         share = math.ceil(len(prompt_ids) / place.rollout_dp_size)
         mine = list(range(place.rollout_dp * share, min((place.rollout_dp + 1) * share, len(prompt_ids))))
         responses: list[list[int]] = []
+        prompts, scores = [prompt_ids[i] for i in mine], None
         self.engine.wake_up()
         if mine:
-            out = self.engine.generate([prompt_ids[i] for i in mine], **sampling)
-            responses = response_tokens(out.response_ids, out.response_mask)
+            everything = list(range(len(prompt_ids)))
+            out = self._play(everything, mine, prompt_ids, sampling,
+                             rows=None if self.episodes is None else self.episodes.val_rows)
+            responses = response_tokens(out["response_ids"], out["response_mask"])
             mine = [i for i in mine for _ in range(sampling["n"])]  # prompt-major: n answers per prompt
+            prompts, scores = episode_prompts(out) or [prompt_ids[i] for i in mine], episode_rewards(out)
         self.engine.sleep(self.sleep_level)
         if place.rollout_mp_size > 1:  # the replica's ranks got the same answers: each scores a share
             part = math.ceil(len(mine) / place.rollout_mp_size)
             keep = range(place.rollout_mp * part, min((place.rollout_mp + 1) * part, len(mine)))
-            mine, responses = [mine[i] for i in keep], [responses[i] for i in keep]
-        return mine, [prompt_ids[i] for i in mine], responses
+            mine, responses, prompts = [mine[i] for i in keep], [responses[i] for i in keep], [prompts[i] for i in keep]
+            scores = None if scores is None else [scores[i] for i in keep]
+        return Answers(mine, prompts, responses, scores if self.episodes is not None else None)
 
     def close(self, error: str | None = None) -> None:
         self.engine.close()
@@ -116,16 +170,16 @@ class PoolRollout:
         span, out = self.link.take()
         return Rows(indices, span, out, weight=None, actor_layout=True)
 
-    def answers(self, prompt_ids: list[list[int]], sampling: dict) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    def answers(self, prompt_ids: list[list[int]], sampling: dict) -> Answers:
         """Validation: each actor rank an even share of the answers (each scored once), taken after
         the training rounds in flight."""
         self.issue(prompt_ids, list(range(len(prompt_ids))), sampling, kind="val")
         (start, end), out = self.link.take(last=True)
         mine = [row // sampling["n"] for row in range(start, end)]  # prompt-major, n per prompt
-        return mine, [prompt_ids[i] for i in mine], response_tokens(out["response_ids"], out["response_mask"])
+        return Answers(mine, [prompt_ids[i] for i in mine], response_tokens(out["response_ids"], out["response_mask"]))
 
     def close(self, error: str | None = None) -> None:
         self.link.close(error)
 
 
-__all__ = ["LocalRollout", "PoolRollout", "Rows"]
+__all__ = ["Answers", "Episodes", "LocalRollout", "PoolRollout", "Rows", "episode_prompts", "episode_rewards"]

@@ -23,8 +23,9 @@ from spmd_rl.data.sampler import PromptSampler
 from spmd_rl.distributed.comm import broadcast_object
 from spmd_rl.metrics import MetricAccumulator
 from spmd_rl.reward import overlong_penalty
+from spmd_rl.reward.registry import ScoreResult
 from spmd_rl.seeds import call_seed
-from spmd_rl.source.rollout import Rows
+from spmd_rl.source.rollout import Rows, episode_prompts
 from spmd_rl.step import Placement
 
 
@@ -60,7 +61,7 @@ def to_batch(rows: Rows, prompt_ids: list[list[int]], *, place: Placement, n: in
     positions = [row // n for row in range(*rows.span)]
     out = rows.out
     batch = RolloutBatch(
-        prompts=[prompt_ids[rows.indices[i]] for i in positions],
+        prompts=episode_prompts(out) or [prompt_ids[rows.indices[i]] for i in positions],
         tensors={
             "response_ids": out["response_ids"].cpu(),
             "response_mask": out["response_mask"].float().cpu(),
@@ -70,6 +71,10 @@ def to_batch(rows: Rows, prompt_ids: list[list[int]], *, place: Placement, n: in
         },
         extras={"sample": [rows.indices[i] for i in positions]},
     )
+    if "context_mask" in out:  # episodes: the environment's tokens between the model's turns, and its reward
+        batch["context_mask"] = out["context_mask"].float().cpu()
+        batch["env_reward"] = out["env_reward"].float().cpu()
+        episode_metrics(out, acc)
     if not rows.actor_layout and place.rollout_mp_size > 1:  # every rank of the replica holds these rows
         share = len(batch) // place.rollout_mp_size
         batch = batch.select(range(place.rollout_mp * share, (place.rollout_mp + 1) * share))
@@ -82,6 +87,22 @@ def to_batch(rows: Rows, prompt_ids: list[list[int]], *, place: Placement, n: in
         acc.add("response_length/clip_ratio", float(flag))
     acc.add_sum("perf/gen_tokens", lengths.sum().item() * row_weight(rows, place))
     return batch
+
+
+def episode_metrics(out: dict[str, torch.Tensor], acc: MetricAccumulator) -> None:
+    """``env/*``: turns, truncation, reward and tool calls per episode, and ``timing_s/env``, the
+    seconds this rank's episodes spent in their environments and tools (the most over the ranks)."""
+    for turns, cut, reward, calls, errors in zip(out["env_turns"].tolist(), out["truncated"].tolist(),
+                                                 out["env_reward"].tolist(), out["env_tool_calls"].tolist(),
+                                                 out["env_tool_errors"].tolist()):
+        acc.add("env/turns/mean", float(turns))
+        acc.add("env/truncated_frac", float(cut))
+        acc.add("env/reward/mean", reward)
+        acc.add("env/tool_calls/mean", float(calls))
+        acc.add("env/tool_errors/mean", float(errors))
+    acc.add_max("env/turns/max", float(out["env_turns"].max()))
+    acc.add_sum("env/failed", float(out["env_failed"].sum()))
+    acc.add_max("timing_s/env", float(out["env_seconds"].sum()))
 
 
 def row_weight(rows: Rows, place: Placement) -> float:
@@ -122,7 +143,11 @@ class Scorer:
         mask = batch["response_mask"]
         responses = response_tokens(batch["response_ids"], mask)
         completions = decode_tokens(self.tokenizer, responses)
-        result = self.reward(samples, completions, batch.prompts, responses)
+        if "env_reward" in batch:  # an episode's score: the sum of its environment's rewards
+            rewards = batch["env_reward"].tolist()
+            result = ScoreResult(scores=rewards, num_errors=0, format_scores=[0.0] * len(rewards), main_scores=rewards)
+        else:
+            result = self.reward(samples, completions, batch.prompts, responses)
         scores = torch.tensor(result.scores, dtype=torch.float32)
         if self.cfg.overlong_buffer:  # DAPO's soft overlong punishment, part of the score the advantages see
             penalty = overlong_penalty(mask.sum(1), max_len=self.max_new_tokens,

@@ -1,0 +1,203 @@
+"""Multi-turn episodes on a rollout engine: the model's turns generated in one stream, the
+environment's steps and tool calls on worker threads beside it.
+
+    runner = EpisodeRunner(load_env(fn, name), framing=TurnFraming(tok, eos_ids=eos), tokenizer=tok,
+                           max_turns=4, max_tokens=1024, tools=None, workers=8, skip_errors=False)
+    out = runner.run(engine, rows, n=4, sampling=dict(temperature=1.0, top_p=1.0, top_k=0,
+                                                      max_new_tokens=256, seed=7))
+
+Each data row plays ``n`` episodes (prompt-major, as a round's responses are). An episode starts from
+its environment's ``reset(row)`` messages; each model turn is streamed by the engine
+(:meth:`~spmd_rl.rollout.native.NativeRollout.stream`: a finished turn frees its slot for another
+episode's) and handed to a worker thread, which runs the turn's tool calls (``env.tools``) or the
+environment's ``step``, and tokenizes what comes back (:class:`~spmd_rl.episodes.framing.TurnFraming`);
+the episode then waits for its next turn, while the others go on. The episode ends when the
+environment says done, after ``env.max_turns`` model turns, or when its tokens after the prompt
+reach ``env.max_tokens`` (cut there: ``truncated``).
+
+Token-in / token-out: the model's tokens and their log-probs are kept as sampled; only the
+environment's messages are tokenized. The output is a round's rows (``response_ids``, ``logprobs``,
+``truncated``) with ``response_mask`` on the model's tokens, ``context_mask`` on the environment's,
+each episode's prompt (``prompt_ids``, ``prompt_lengths``) and its ``env_*`` counts.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from spmd_rl.episodes.env import Env, check_messages, check_step
+from spmd_rl.episodes.framing import TurnFraming
+from spmd_rl.episodes.tools import Tool, parse_tool_calls, run_calls, tool_messages, with_tools_prompt
+from spmd_rl.models.tokenizer import decode_tokens
+
+
+@dataclass
+class Episode:
+    """One episode's state: its prompt, the tokens after it (the model's, masked 1, and the
+    environment's), the model's log-probs, and its counts."""
+
+    row: dict
+    env: Env
+    prompt: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    model: list[int] = field(default_factory=list)  # 1: a model token
+    logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    seconds: float = 0.0  # inside reset, step and tools
+    done: bool = False
+    truncated: bool = False
+    failed: str | None = None
+
+
+class EpisodeRunner:
+    """Plays a round's episodes on an engine (module docstring)."""
+
+    def __init__(self, make_env: Callable[[], Env], *, framing: TurnFraming, tokenizer: Any, max_turns: int,
+                 max_tokens: int, tools: dict[str, Tool] | None, workers: int, skip_errors: bool,
+                 tools_as_user: bool = True) -> None:
+        self.make_env, self.framing, self.tokenizer = make_env, framing, tokenizer
+        self.max_turns, self.max_tokens, self.tools = max_turns, max_tokens, tools
+        self.workers, self.skip_errors, self.tools_as_user = workers, skip_errors, tools_as_user
+
+    # ------------------------------------------------------------------ one round
+    def run(self, engine: Any, rows: list[dict], *, n: int, sampling: dict) -> dict[str, torch.Tensor]:
+        """``n`` episodes of every row (prompt-major); the round's rows (module docstring)."""
+        episodes = [Episode(row=dict(row), env=self.make_env()) for row in rows for _ in range(n)]
+        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="spmd_rl-env") as pool:
+            for e, prompt in zip(episodes, pool.map(self._reset, episodes)):
+                e.prompt = prompt
+            self._play(engine, episodes, pool, sampling)
+        return self._rows(episodes)
+
+    def _play(self, engine: Any, episodes: list[Episode], pool: ThreadPoolExecutor, sampling: dict) -> None:
+        """Streams until every episode ended: a turn that finishes goes to ``pool``; an episode whose
+        step came back is fed again."""
+        ready = [i for i, e in enumerate(episodes) if not e.done]
+        steps: dict[Future, int] = {}
+
+        def collect(futures: list[Future]) -> None:
+            for future in futures:
+                i = steps.pop(future)
+                future.result()  # a step that raised: its error, with the row (see _failed)
+                if not episodes[i].done:
+                    ready.append(i)
+
+        def feed(k: int) -> list[tuple[int, list[int]]]:
+            collect([f for f in steps if f.done()])
+            taken, ready[:] = ready[:k], ready[k:]
+            return [(i, episodes[i].prompt + episodes[i].tokens) for i in taken]
+
+        def done(key: int, tokens: torch.Tensor, logprobs: torch.Tensor, swaps: torch.Tensor, truncated: bool) -> None:
+            steps[pool.submit(self._turn, episodes[key], tokens.tolist(), logprobs.tolist())] = key
+
+        longest = max(len(e.prompt) for e in episodes) + self.max_tokens
+        calls = 0
+        while ready or steps:
+            if not ready:  # every live episode waits for its environment
+                collect(list(wait(list(steps), return_when=FIRST_COMPLETED)[0]))
+                continue
+            engine.stream(feed=feed, done=done, max_prompt_length=longest, temperature=sampling["temperature"],
+                          top_p=sampling["top_p"], top_k=sampling["top_k"], max_new_tokens=sampling["max_new_tokens"],
+                          seed=sampling["seed"] + 7919 * calls)
+            calls += 1
+
+    # ------------------------------------------------------------------ worker threads
+    def _reset(self, e: Episode) -> list[int]:
+        start = time.perf_counter()
+        try:
+            messages = check_messages(e.env.reset(e.row), e.env, "reset")
+        except Exception as err:  # noqa: BLE001 - named with the row, or the episode skipped
+            self._failed(e, "reset", err)
+            return self.framing.first([{"role": "user", "content": ""}])
+        finally:
+            e.seconds += time.perf_counter() - start
+        if self.tools and self.tools_as_user:
+            messages = with_tools_prompt(messages, self.tools)
+        return self.framing.first(messages)
+
+    def _turn(self, e: Episode, tokens: list[int], logprobs: list[float]) -> None:
+        """The model's turn: its tokens kept, then the tools' or the environment's answer."""
+        room = self.max_tokens - len(e.tokens)
+        e.tokens += tokens[:room]
+        e.model += [1] * min(len(tokens), room)
+        e.logprobs += logprobs[:room]
+        e.turns += 1
+        if len(tokens) >= room:  # the episode's token budget is spent
+            e.done = e.truncated = True
+            return
+        start = time.perf_counter()
+        try:
+            messages = self._answer(e, decode_tokens(self.tokenizer, [tokens])[0])
+        except Exception as err:  # noqa: BLE001 - named with the row, or the episode skipped
+            self._failed(e, "step", err)
+            return
+        finally:
+            e.seconds += time.perf_counter() - start
+        if e.done or e.turns >= self.max_turns:
+            e.done = True
+            return
+        more = self.framing.after(tokens, messages)
+        room = self.max_tokens - len(e.tokens)
+        e.tokens += more[:room]
+        e.model += [0] * min(len(more), room)
+        e.logprobs += [0.0] * min(len(more), room)
+        if len(more) >= room:  # no room left for another model turn
+            e.done = e.truncated = True
+
+    def _answer(self, e: Episode, reply: str) -> list[dict]:
+        """The tools' answers to the reply's calls, or else the environment's step (its reward added)."""
+        calls = parse_tool_calls(reply) if self.tools else []
+        if calls:
+            results = run_calls(self.tools, calls)
+            e.tool_calls += len(results)
+            e.tool_errors += sum(r.error for r in results)
+            return tool_messages(results, as_user=self.tools_as_user)
+        messages, reward, done = check_step(e.env.step(reply), e.env)
+        e.reward += reward
+        e.done = done
+        return messages
+
+    def _failed(self, e: Episode, method: str, err: Exception) -> None:
+        where = f"{type(e.env).__qualname__}.{method} failed on the row {e.row!r:.200}: {type(err).__name__}: {err}"
+        if not self.skip_errors:
+            raise RuntimeError(f"environment {where} (or --reward.on-error skip)") from err
+        e.failed, e.done = where, True
+
+    # ------------------------------------------------------------------ the round's rows
+    def _rows(self, episodes: list[Episode]) -> dict[str, torch.Tensor]:
+        """The episodes as a round's rows: tensors right-padded with 0 (the pad id is the caller's)."""
+        rows = len(episodes)
+        width = max(max(len(e.tokens) for e in episodes), 1)
+        prompt_width = max(len(e.prompt) for e in episodes)
+        out = {"response_ids": torch.zeros(rows, width, dtype=torch.long),
+               "response_mask": torch.zeros(rows, width), "context_mask": torch.zeros(rows, width),
+               "logprobs": torch.zeros(rows, width), "prompt_ids": torch.zeros(rows, prompt_width, dtype=torch.long)}
+        for r, e in enumerate(episodes):
+            t = len(e.tokens)
+            model = torch.tensor(e.model, dtype=torch.float32)
+            if e.failed is not None:  # skipped (reward.on_error=skip): nothing of it is trained on
+                model.zero_()
+            out["response_ids"][r, :t] = torch.tensor(e.tokens, dtype=torch.long)
+            out["response_mask"][r, :t] = model
+            out["context_mask"][r, :t] = 1.0 - torch.tensor(e.model, dtype=torch.float32)
+            out["logprobs"][r, :t] = torch.tensor(e.logprobs, dtype=torch.float32)
+            out["prompt_ids"][r, :len(e.prompt)] = torch.tensor(e.prompt, dtype=torch.long)
+        counts = {"prompt_lengths": [len(e.prompt) for e in episodes], "truncated": [e.truncated for e in episodes],
+                  "env_turns": [e.turns for e in episodes], "env_failed": [e.failed is not None for e in episodes],
+                  "env_tool_calls": [e.tool_calls + int(getattr(e.env, "tool_calls", 0)) for e in episodes],
+                  "env_tool_errors": [e.tool_errors + int(getattr(e.env, "tool_errors", 0)) for e in episodes]}
+        out.update({k: torch.tensor(v, dtype=torch.long) for k, v in counts.items()})
+        out["env_reward"] = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+        out["env_seconds"] = torch.tensor([e.seconds for e in episodes], dtype=torch.float32)
+        return out
+
+
+__all__ = ["Episode", "EpisodeRunner"]

@@ -1,0 +1,24 @@
+"""Environments for the episode tests (``--env.fn support.envs:Class``), deterministic."""
+
+from __future__ import annotations
+
+
+class ThreeTurns:
+    """Three model turns, whatever the model says: each answered "Go on." with a reward of 0.25."""
+
+    def reset(self, row: dict) -> list[dict]:
+        self.turns = 0
+        return [{"role": "user", "content": f"Say something about {row['answer']}."}]
+
+    def step(self, reply: str) -> tuple[list[dict], float, bool]:
+        self.turns += 1
+        return [{"role": "user", "content": "Go on."}], 0.25, self.turns >= 3
+
+
+class FailsOnSecondTurn(ThreeTurns):
+    """Raises in its second step (the run stops naming the environment and the row, or skips the episode)."""
+
+    def step(self, reply: str) -> tuple[list[dict], float, bool]:
+        if self.turns == 1:
+            raise RuntimeError("the environment broke")
+        return super().step(reply)

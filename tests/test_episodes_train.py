@@ -1,0 +1,113 @@
+"""Multi-turn episodes through the trainer's own pieces (CPU, gloo, a tiny random model).
+
+* token-in / token-out: a 3-turn episode's tokens are the rollout's exactly, and the actor's fp32
+  log-probs of the model's tokens (packed and padded layouts) equal the rollout's within 1e-5;
+* the loss mask: the environment's tokens get no gradient;
+* a user environment of a fixed number of turns under ``spmd_rl.train`` on 2 ranks: ``env/turns/mean``
+  is that number and the score is the sum of its rewards; a failing environment stops the run with
+  its class and row, or is skipped under ``--reward.on-error skip``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd_rl.distributed.testing import run_distributed
+from test_train_e2e import _check, launch, read_metrics
+
+EPISODE_FLAGS = ["--env.fn", "support.envs:ThreeTurns", "--env.max-turns", "5", "--env.max-tokens", "64",
+                 "--rollout.max-new-tokens", "6", "--data.train-batch-size", "4", "--rollout.n", "2",
+                 "--actor.ppo-mini-batch-size", "4", "--trainer.total-steps", "2"]
+
+
+def _episode_and_logprobs(rank: int, world_size: int) -> dict:
+    import sys
+
+    from conftest import HERE
+
+    sys.path.insert(0, HERE)
+    from spmd_rl.config import ActorConfig, FsdpConfig
+    from spmd_rl.data.batch import RolloutBatch
+    from spmd_rl.distributed.dims import FsdpLayout
+    from spmd_rl.engine.fsdp import FSDPEngine
+    from spmd_rl.episodes.env import load_env
+    from spmd_rl.episodes.framing import TurnFraming
+    from spmd_rl.episodes.runner import EpisodeRunner
+    from spmd_rl.models import eos_token_ids, load_tokenizer, resolve_model_path
+    from spmd_rl.rollout import build_rollout
+    from spmd_rl.source.rollout import episode_prompts
+
+    folder = str(resolve_model_path("tiny-random", cache_dir=None))
+    tok = load_tokenizer(folder, trust_remote_code=False)
+    eos, pad = eos_token_ids(tok), int(tok.pad_token_id)
+    engine = build_rollout("native", model_folder=folder, device=torch.device("cpu"), dtype=torch.float32,
+                           batch_size=4, pad_token_id=pad, eos_token_ids=eos, trust_remote_code=False)
+    runner = EpisodeRunner(load_env("support.envs:ThreeTurns", None), framing=TurnFraming(tok, eos_ids=eos),
+                           tokenizer=tok, max_turns=5, max_tokens=96, tools=None, workers=2, skip_errors=False)
+    out = runner.run(engine, [{"answer": "7"}, {"answer": "12"}], n=2,
+                     sampling=dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=5))
+    batch = RolloutBatch(prompts=episode_prompts(out), tensors={
+        "response_ids": out["response_ids"], "response_mask": out["response_mask"],
+        "context_mask": out["context_mask"], "rollout_logprobs": out["logprobs"]})
+    logprobs = {}
+    for packed in (True, False):
+        actor = FSDPEngine(model_folder=folder, mesh=FsdpLayout(1).build("cpu"), device=torch.device("cpu"),
+                           fsdp=FsdpConfig(), actor=ActorConfig(use_packing=packed), total_updates=1, trainable=False,
+                           pad_token_id=pad, compute_dtype=None)
+        logprobs[packed] = actor.compute_logprobs(batch, temperature=1.0, micro_batch_size=2)[0]
+    return {"out": out, "logprobs": logprobs, "texts": [tok.decode(p + r[: int((m + c).sum())].tolist())
+            for p, r, m, c in zip(batch.prompts, out["response_ids"], out["response_mask"], out["context_mask"])]}
+
+
+def test_three_turn_episodes_are_token_exact_and_the_actor_agrees() -> None:
+    got = run_distributed(_episode_and_logprobs, 1)[0]
+    out = got["out"]
+    assert out["env_turns"].tolist() == [3, 3, 3, 3] and out["env_reward"].tolist() == [0.75] * 4
+    model, context = out["response_mask"], out["context_mask"]
+    assert (model * context).sum() == 0 and context.sum() > 0 and model.sum() > 0
+    present = model + context
+    for row in present:  # the tokens there are form a prefix of the row
+        n = int(row.sum())
+        assert row[:n].eq(1).all() and row[n:].eq(0).all()
+    for text in got["texts"]:  # the environment's messages sit between the model's turns
+        assert text.count("Go on.") == 2 and "Say something about" in text
+    for packed, logprobs in got["logprobs"].items():
+        gap = ((logprobs - out["logprobs"]).abs() * model).max().item()
+        assert gap < 1e-5, f"packed={packed}: the actor's log-probs differ from the rollout's by {gap}"
+
+
+def test_the_environment_tokens_get_no_gradient() -> None:
+    from spmd_rl.algo.objective import actor_objective
+    from spmd_rl.config import AlgoConfig
+
+    torch.manual_seed(0)
+    model = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 1, 0, 0]], dtype=torch.float32)
+    logprobs = (-torch.rand(2, 7)).requires_grad_()
+    old = logprobs.detach().clone()
+    loss, _ = actor_objective(logprobs, None, old_logprobs=old, advantages=torch.randn(2, 7), response_mask=model,
+                              ref_logprobs=old - 0.1, algo=AlgoConfig(), global_tokens=float(model.sum()),
+                              global_seqs=2.0)
+    loss.backward()
+    assert (logprobs.grad[model == 0] == 0).all() and (logprobs.grad[model == 1] != 0).any()
+
+
+def test_a_user_environment_under_train(tmp_path) -> None:
+    out = str(tmp_path / "run")
+    _check(launch(out, *EPISODE_FLAGS))
+    steps = [m for m in read_metrics(out) if "env/turns/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["env/turns/mean"] == 3 and m["env/turns/max"] == 3
+        assert abs(m["critic/score/mean"] - 0.75) < 1e-6 and abs(m["env/reward/mean"] - 0.75) < 1e-6
+        assert m["env/truncated_frac"] == 0 and m["env/tool_calls/mean"] == 0 and "timing_s/env" in m
+
+
+def test_a_failing_environment_stops_the_run_or_is_skipped(tmp_path) -> None:
+    flags = [*EPISODE_FLAGS, "--env.fn", "support.envs:FailsOnSecondTurn"]
+    proc = launch(str(tmp_path / "raise"), *flags)
+    assert proc.returncode != 0
+    assert "FailsOnSecondTurn.step failed on the row" in proc.stderr and "the environment broke" in proc.stderr
+    out = str(tmp_path / "skip")
+    _check(launch(out, *flags, "--reward.on-error", "skip"))
+    steps = [m for m in read_metrics(out) if "env/turns/mean" in m]
+    assert steps and all(m["env/failed"] == 8 for m in steps)  # 4 prompts x 2 episodes on the 2 ranks
