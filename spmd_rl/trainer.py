@@ -71,7 +71,13 @@ from spmd_rl.profiling import format_stage_times, profiled, stage_times
 from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout_from_config
 from spmd_rl.seeds import engine_seed
-from spmd_rl.source import ActorLayout, BatchSource, LocalRollout, PoolRollout, Scorer, StepPrompts, build_batch_source
+from spmd_rl.episodes.env import load_env
+from spmd_rl.episodes.framing import TurnFraming
+from spmd_rl.episodes.runner import EpisodeRunner
+from spmd_rl.episodes.tools import build_tools, supports_tools
+from spmd_rl.source import (
+    ActorLayout, BatchSource, Episodes, LocalRollout, PoolRollout, Scorer, StepPrompts, build_batch_source,
+)
 from spmd_rl.step import Placement, StageTimer
 from spmd_rl.world import RunGroups, build_run_groups
 
@@ -170,12 +176,25 @@ class Trainer:
             groups.rollout_link.max_in_flight = cfg.trainer.max_staleness + 2
             return PoolRollout(groups.rollout_link, dtype=dtype, is_controller=self.env.is_main,
                                pad_token_id=self.pad_id)
+        longest_prompt = cfg.data.max_prompt_length + (cfg.env.max_tokens if cfg.env.enabled else 0)  # an episode's
         engine = build_rollout_from_config(
             cfg.rollout, model_folder=self.model_folder, device=self.env.device, pad_token_id=self.pad_id,
             eos_token_ids=self.eos_ids, trust_remote_code=cfg.model.trust_remote_code,
-            max_prompt_length=cfg.data.max_prompt_length, seed=engine_seed(cfg.trainer.seed, self.place.rollout_dp),
+            max_prompt_length=longest_prompt, seed=engine_seed(cfg.trainer.seed, self.place.rollout_dp),
             pool_groups=groups.rollout_pool_groups)
-        return LocalRollout(engine, place=self.place, sleep_level=cfg.rollout.sleep_level, dtype=dtype)
+        return LocalRollout(engine, place=self.place, sleep_level=cfg.rollout.sleep_level, dtype=dtype,
+                            episodes=self._episodes() if cfg.env.enabled else None)
+
+    def _episodes(self) -> Episodes:
+        """``--env.*``: every response a multi-turn episode (:mod:`spmd_rl.episodes`), played from the data rows."""
+        env, tools = self.cfg.env, build_tools(self.cfg.env.tools) if self.cfg.env.tools else None
+        native = bool(tools) and supports_tools(self.tokenizer)  # the template renders tools=: else a prompt says how
+        framing = TurnFraming(self.tokenizer, eos_ids=self.eos_ids,
+                              tools=[t.schema() for t in tools.values()] if native else None)
+        runner = EpisodeRunner(load_env(env.fn, env.name), framing=framing, tokenizer=self.tokenizer,
+                               max_turns=env.max_turns, max_tokens=env.max_tokens, tools=tools, workers=env.workers,
+                               skip_errors=self.cfg.reward.on_error == "skip", tools_as_user=not native)
+        return Episodes(runner, [s.row for s in self.train_samples], [s.row for s in self.val_samples])
 
     def _batch_source(self) -> BatchSource:
         """Where each step's batch comes from (:mod:`spmd_rl.source`): synchronous rounds (with DAPO's
@@ -383,11 +402,14 @@ class Trainer:
         self.rollout.sync(self.actor, self.policy_version)
         sampling = dict(n=self.cfg.trainer.val_n, temperature=self.cfg.trainer.val_temperature, top_p=1.0, top_k=0,
                         max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)
-        mine, prompt_ids, responses = self.rollout.answers(self.val_ids, sampling)
-        texts = decode_tokens(self.tokenizer, responses)
-        # every rank scores, also with no prompts: scoring is collective (fail_together, reward model)
-        result = self.reward([self.val_samples[i] for i in mine], texts, prompt_ids, responses)
-        answers = [(i, float(s), is_correct(m)) for i, s, m in zip(mine, result.scores, result.main_scores)]
+        got = self.rollout.answers(self.val_ids, sampling)
+        if got.scores is not None:  # episodes: their environments' rewards
+            scores = main = got.scores
+        else:  # every rank scores, also with no prompts: scoring is collective (fail_together, reward model)
+            texts = decode_tokens(self.tokenizer, got.responses)
+            result = self.reward([self.val_samples[i] for i in got.prompts], texts, got.prompt_ids, got.responses)
+            scores, main = result.scores, result.main_scores
+        answers = [(i, float(s), is_correct(m)) for i, s, m in zip(got.prompts, scores, main)]
         return answer_metrics([a for part in all_gather_objects(answers, self.group) for a in part], prefix="val/")
 
     def close(self, error: str | None = None) -> None:
