@@ -130,6 +130,7 @@ class VllmRollout:
         self._weights_awake = True
         self._weights_lost = False
         self._closed = False
+        self._tied = _ties_embeddings(model_folder)
         log.info("vLLM %s rollout engine: tp=%d pp=%d over %s, sleep mode %s", vllm.__version__, tp, pp,
                  f"global ranks {pool_groups.pool_ranks}" if pool_groups is not None else "the whole world",
                  "on" if self.sleep_supported else "unavailable on this platform (nothing is freed)")
@@ -267,7 +268,8 @@ class VllmRollout:
                 count[0] += 1
             yield from bucket
 
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": buckets(), "is_checkpoint_format": True})
+        with _quiet_reload(self._tied):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": buckets(), "is_checkpoint_format": True})
         if count[0] == 0:
             raise ValueError("VllmRollout.load_weights: got no tensors")
         self.llm.apply_model(_reprocess_tied_weights)
@@ -329,6 +331,63 @@ class VllmRollout:
     def _check_usable(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"VllmRollout.{what}: the engine was closed")
+
+
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_NOT_LOADED = ": Failed to load weights"
+
+
+def _ties_embeddings(model_folder: str) -> bool:
+    """Whether the model's ``lm_head`` is its input embedding (``tie_word_embeddings``: SmolLM2)."""
+    import json
+
+    try:
+        with open(os.path.join(model_folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)))
+
+
+class _DropFalseAlarms(logging.Filter):
+    """Drops vLLM's ``<Layer>: Failed to load weights`` for the layers that never receive tensors at a
+    reload by design (see :func:`_quiet_reload`)."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.tied = tied
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.endswith(_NOT_LOADED):
+            return True
+        layer = message[: -len(_NOT_LOADED)]
+        return not (layer.endswith("RotaryEmbedding") or (self.tied and layer == "ParallelLMHead"))
+
+
+@contextlib.contextmanager
+def _quiet_reload(tied: bool) -> Iterator[None]:
+    """Silence vLLM's ``Failed to load weights`` warnings that are false alarms at a hot-swap.
+
+    vLLM's layer-wise reload expects every layer that holds tensors to receive some, and warns about
+    each one that got none, then puts its original tensors back. Two kinds never get any, by design:
+
+    * a tied ``lm_head`` (``ParallelLMHead``; SmolLM2 ties it): the actor's ``named_parameters()``
+      names the shared tensor once, as ``model.embed_tokens.weight``, and vLLM's loader skips
+      ``lm_head.weight`` of a tied model anyway. The head's original tensor is the embedding's own
+      storage, refilled with the new values, and :func:`_reprocess_tied_weights` redoes its derived
+      copies, so it computes with the new weights (``tests/test_vllm_rollout.py``: a tied model's
+      greedy answers after a hot-swap equal transformers' on the new weights);
+    * rotary embeddings: their cos / sin cache is computed from the config, no checkpoint has it.
+
+    Any other layer that gets no tensors is still reported. The test checks that none of these is printed.
+    """
+    logger, quiet = logging.getLogger(_RELOAD_LOGGER), _DropFalseAlarms(tied)
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _reprocess_tied_weights(model: torch.nn.Module) -> int:
