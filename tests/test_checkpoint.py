@@ -2,8 +2,9 @@
 
 The end-to-end tests launch the real entry point under torchrun (2 CPU processes, gloo, the tiny
 model, 4 GRPO steps with a checkpoint every 2). One uninterrupted run is the reference; a run cut
-in two by a restart, and a run whose rank 1 is SIGKILLed mid-step under ``torchrun --max-restarts
-1``, must end with bitwise-identical weights and identical logged metrics. The same checkpoint then
+in two by a restart must end with bitwise-identical weights and identical logged metrics, and so
+must a run whose rank 1 is SIGKILLed mid-step under ``torchrun --max-restarts 1`` and the same job
+without the fault, started the same way (bitwise comparisons compare runs launched alike). The same checkpoint then
 resumes on 1 process and on an HSDP [2, 1] layout, and is exported to a Hugging Face folder that
 transformers loads and that scores tokens like the training engine.
 """
