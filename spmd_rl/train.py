@@ -33,7 +33,7 @@ import time
 
 _PARENT_PID = os.getppid()  # before the imports below: the launcher that started this process
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from spmd_rl.config import load_config
 from spmd_rl.models.shape import read_model_shape
@@ -43,7 +43,10 @@ from spmd_rl.distributed.process import (
 )
 
 if TYPE_CHECKING:
+    from spmd_rl.config import Config
     from spmd_rl.distributed.env import DistEnv
+    from spmd_rl.distributed.watchdog import NullWatchdog
+    from spmd_rl.world import RunGroups
 
 log = logging.getLogger("spmd_rl")
 
@@ -104,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             watchdog.stop()
             env.shutdown()
+    return run_trainer(cfg, env, groups, run_plan, watchdog)
+
+def run_trainer(cfg: Config, env: DistEnv, groups: RunGroups, run_plan: Any, watchdog: NullWatchdog) -> int:
+    """A trainer rank's loop and its end: 0, :data:`~spmd_rl.distributed.process.PREEMPTED` after a save
+    on a stop signal, 2 after an expected user error (:func:`user_error`); any other error is raised.
+    The serving pools are told to stop, or to abort with the error."""
+    from spmd_rl.trainer import Trainer
+
     trainer = None
     error = None
     code = 0

@@ -39,10 +39,12 @@ FAULT = ["--reward.fn", "support.faults:digit_fraction_signalled", "--trainer.to
 OUR_FRAMES = f'File "{REPO}/spmd_rl'
 
 
-def torchrun(out_dir: Path, *flags: str, env: dict, timeout: int = 420) -> subprocess.CompletedProcess:
-    """torchrun with 2 CPU workers in a session of its own (so that SIGNAL_TARGET=group is its group)."""
+def torchrun(out_dir: Path, *flags: str, env: dict, timeout: int = 420,
+             launcher: str = "torch.distributed.run") -> subprocess.CompletedProcess:
+    """torchrun (or ``spmd_rl.torchrun``) with 2 CPU workers in a session of its own, as a terminal
+    starts it (SIGNAL_TARGET=group: its process group)."""
     environ = cpu_env(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1", **env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [sys.executable, "-m", launcher, "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "spmd_rl.train", *TINY, "--trainer.output-dir", str(out_dir), *flags]
     proc = subprocess.Popen(cmd, env=environ, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -107,18 +109,24 @@ def test_second_signal_during_the_save_ends_at_once_and_publishes_nothing(tmp_pa
     assert latest_checkpoint(root) == root / "step_2"
 
 
-def test_sigint_to_the_process_group_saves_with_one_line(tmp_path):
-    """Ctrl-C in a terminal: SIGINT to torchrun and both workers at once (and torchrun's forwarded
-    copy): counted once; the step ends, step_2 is saved, one line, no KeyboardInterrupt traceback."""
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "spmd_rl.torchrun"])
+def test_sigint_to_the_process_group_saves_with_one_line(tmp_path, launcher):
+    """Ctrl-C in a terminal: SIGINT to torchrun's process group; torchrun forwards it to its workers
+    (sessions of their own): the step ends, step_2 is saved, one line, no KeyboardInterrupt traceback.
+    torchrun adds a traceback of its own; ``spmd_rl.torchrun`` one line instead, status 128 + 2."""
     run, marker = tmp_path / "run", tmp_path / "marker"
-    proc = torchrun(run, *FAULT, env={"SIGNAL_AT_CALL": "2", "SIGNAL_TARGET": "group", "SIGNAL_NAME": "SIGINT",
-                                      "SIGNAL_MARKER": str(marker)})
+    proc = torchrun(run, *FAULT, launcher=launcher, env={"SIGNAL_AT_CALL": "2", "SIGNAL_TARGET": "group",
+                                                          "SIGNAL_NAME": "SIGINT", "SIGNAL_MARKER": str(marker)})
     text = proc.stdout
     assert marker.is_file() and proc.returncode != 0, text[-5000:]
     assert text.count("stopped by SIGINT after step 2/4: saved") == 1, text[-5000:]
     assert "KeyboardInterrupt" not in text and OUR_FRAMES not in text, text[-5000:]
     assert "a second stop signal" not in text, text[-5000:]
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_2"]
+    if launcher == "spmd_rl.torchrun":
+        assert "Traceback" not in text, text[-5000:]
+        assert proc.returncode == 128 + signal.SIGINT, text[-5000:]
+        assert text.count("spmd_rl.torchrun: SIGINT: forwarded to the workers") == 1, text[-5000:]
 
 
 def test_a_signal_on_one_rank_stops_every_rank_with_status_75(tmp_path):
@@ -249,3 +257,16 @@ if [[ $1 == show ]]; then echo localhost; else echo "scontrol $*" >> {log}; fi
     assert "requeued, it resumes from it" in out, out
     if script == "grpo.sbatch":
         assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout 170" in calls, calls
+
+
+def test_spmd_rl_torchrun_passes_a_user_error_status_through(tmp_path):
+    """Under ``spmd_rl.torchrun`` a user error is the trainer's one line, torchrun's one line and status 2
+    (plain torchrun: 1 and its ChildFailedError traceback)."""
+    bad = tmp_path / "data.jsonl"
+    bad.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": \n')
+    proc = torchrun(tmp_path / "run", "--data.task", "file", "--data.path", str(bad), env={},
+                    launcher="spmd_rl.torchrun")
+    assert proc.returncode == 2, proc.stdout[-5000:]
+    assert "Traceback" not in proc.stdout, proc.stdout[-5000:]
+    assert proc.stdout.count("spmd_rl.train: error: ") == 1, proc.stdout[-5000:]
+    assert "spmd_rl.torchrun: worker rank" in proc.stdout and "exited with status 2 (a user error" in proc.stdout

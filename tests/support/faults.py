@@ -121,8 +121,8 @@ def digit_fraction_late_gloo_work(prompts: list[str], completions: list[str], **
 def digit_fraction_signalled(prompts: list[str], completions: list[str], **columns: list) -> list[float]:
     """Rank 0, at its ``$SIGNAL_AT_CALL``-th scoring call (the reward stage of that step, validation
     off), sends ``$SIGNAL_NAME`` (default SIGTERM) to ``$SIGNAL_TARGET``: ``launcher`` (the torchrun
-    agent, which forwards it to every worker, as Slurm's stop does), ``group`` (the process group: a
-    Ctrl-C in the terminal) or ``self``; then writes ``$SIGNAL_MARKER``. With ``$SIGNAL_AGAIN_AT_SAVE``
+    agent, which forwards it to every worker, as Slurm's stop does), ``group`` (the launcher's process
+    group: a Ctrl-C in the terminal) or ``self``; then writes ``$SIGNAL_MARKER``. With ``$SIGNAL_AGAIN_AT_SAVE``
     set, the signal is sent once more from the checkpoint save (a second signal during the save)."""
     global _calls
     _calls += 1
@@ -138,8 +138,8 @@ def digit_fraction_signalled(prompts: list[str], completions: list[str], **colum
 def _send_signal() -> None:
     sig = getattr(signal, os.environ.get("SIGNAL_NAME", "SIGTERM"))
     target = os.environ.get("SIGNAL_TARGET", "launcher")
-    if target == "group":
-        os.killpg(os.getpgid(0), sig)
+    if target == "group":  # the launcher's process group: what a terminal's Ctrl-C reaches (torchrun's
+        os.killpg(os.getpgid(os.getppid()), sig)  # workers have sessions of their own; it forwards the signal)
     else:
         os.kill(os.getppid() if target == "launcher" else os.getpid(), sig)
 
