@@ -279,11 +279,18 @@ def _check_backend(cfg: Config, backend: Any, rollout: RolloutLayout) -> None:
 
 
 def _check_episodes(cfg: Config, backend: Any, *, rollout_pool: bool) -> None:
-    """Multi-turn episodes (``--env.*``): where they can run, and an episode's length."""
-    env = cfg.env
-    if not env.enabled:
+    """Multi-turn episodes (``--env.*``, ``--agent.fn``): where they can run, and an episode's length."""
+    env, agent = cfg.env, cfg.agent.fn
+    if not env.enabled and agent is None:
         return
-    name = f"env.fn={env.fn}" if env.fn else f"env.name={env.name}"
+    name = f"agent.fn={agent}" if agent else f"env.fn={env.fn}" if env.fn else f"env.name={env.name}"
+    if agent is not None and env.enabled:
+        other = f"env.fn={env.fn}" if env.fn else f"env.name={env.name}"
+        raise ValueError(f"agent.fn={agent} drives its episodes itself, and {other} names an environment too: "
+                         f"set one of them")
+    if agent is not None and env.tools:
+        raise ValueError(f"agent.fn={agent}: the agent runs its own tools (they reach the model as `tools` in its "
+                         f"requests); env.tools={env.tools} is for environments: unset it")
     if not backend.stream:
         raise ValueError(f"{name}: multi-turn episodes continue each episode from its exact tokens in one stream, "
                          f"which rollout.backend={cfg.rollout.backend} cannot: use --rollout.backend native")

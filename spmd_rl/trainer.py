@@ -46,6 +46,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from spmd_rl import console
 from spmd_rl.actor import ActorUpdate, log_rollout_gap
 from spmd_rl.algo.filtering import DynamicSampling
 from spmd_rl.algo.objective import compute_advantages
@@ -71,6 +72,7 @@ from spmd_rl.profiling import format_stage_times, profiled, stage_times
 from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout_from_config
 from spmd_rl.seeds import engine_seed
+from spmd_rl.episodes.agent import AgentRunner, load_agent
 from spmd_rl.episodes.env import load_env
 from spmd_rl.episodes.framing import TurnFraming
 from spmd_rl.episodes.runner import EpisodeRunner
@@ -106,6 +108,7 @@ class Trainer:
                 device=env.device, cache_dir=cfg.model.cache_dir)
         self.mini_batches = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
         self.updates_per_step = self.mini_batches * cfg.actor.ppo_epochs
+        console.phase("building the engines (actor, reference, rollout)")
         self._build_engines(groups)  # actor, reference, critic, teacher
         self.rollout = self._rollout(groups)  # the engine in this process, or the rollout pool's link
         self.policy_version = 0  # actor updates so far
@@ -176,25 +179,34 @@ class Trainer:
             groups.rollout_link.max_in_flight = cfg.trainer.max_staleness + 2
             return PoolRollout(groups.rollout_link, dtype=dtype, is_controller=self.env.is_main,
                                pad_token_id=self.pad_id)
-        longest_prompt = cfg.data.max_prompt_length + (cfg.env.max_tokens if cfg.env.enabled else 0)  # an episode's
+        episodes = cfg.env.enabled or cfg.agent.fn is not None
+        longest_prompt = cfg.data.max_prompt_length + (cfg.env.max_tokens if episodes else 0)  # an episode's
         engine = build_rollout_from_config(
             cfg.rollout, model_folder=self.model_folder, device=self.env.device, pad_token_id=self.pad_id,
             eos_token_ids=self.eos_ids, trust_remote_code=cfg.model.trust_remote_code,
             max_prompt_length=longest_prompt, seed=engine_seed(cfg.trainer.seed, self.place.rollout_dp),
             pool_groups=groups.rollout_pool_groups)
         return LocalRollout(engine, place=self.place, sleep_level=cfg.rollout.sleep_level, dtype=dtype,
-                            episodes=self._episodes() if cfg.env.enabled else None)
+                            episodes=self._episodes() if episodes else None)
 
     def _episodes(self) -> Episodes:
-        """``--env.*``: every response a multi-turn episode (:mod:`spmd_rl.episodes`), played from the data rows."""
-        env, tools = self.cfg.env, build_tools(self.cfg.env.tools) if self.cfg.env.tools else None
+        """``--env.*`` / ``--agent.fn``: every response a multi-turn episode (:mod:`spmd_rl.episodes`),
+        played from the data rows by an environment or by an agent through the endpoint."""
+        env, agent = self.cfg.env, self.cfg.agent
+        rows = [s.row for s in self.train_samples], [s.row for s in self.val_samples]
+        if agent.fn is not None:
+            return Episodes(AgentRunner(load_agent(agent.fn), tokenizer=self.tokenizer, eos_ids=self.eos_ids,
+                                        max_turns=env.max_turns, max_tokens=env.max_tokens, workers=env.workers,
+                                        skip_errors=self.cfg.reward.on_error == "skip", host=agent.host,
+                                        timeout_s=agent.timeout_s), *rows)
+        tools = build_tools(env.tools) if env.tools else None
         native = bool(tools) and supports_tools(self.tokenizer)  # the template renders tools=: else a prompt says how
         framing = TurnFraming(self.tokenizer, eos_ids=self.eos_ids,
                               tools=[t.schema() for t in tools.values()] if native else None)
         runner = EpisodeRunner(load_env(env.fn, env.name), framing=framing, tokenizer=self.tokenizer,
                                max_turns=env.max_turns, max_tokens=env.max_tokens, tools=tools, workers=env.workers,
                                skip_errors=self.cfg.reward.on_error == "skip", tools_as_user=not native)
-        return Episodes(runner, [s.row for s in self.train_samples], [s.row for s in self.val_samples])
+        return Episodes(runner, *rows)
 
     def _batch_source(self) -> BatchSource:
         """Where each step's batch comes from (:mod:`spmd_rl.source`): synchronous rounds (with DAPO's
@@ -263,6 +275,7 @@ class Trainer:
         last: dict[str, float] = {}
         self.step = self.policy_version = self.checkpointer.resume()  # resumed weights: the rollout syncs first
         if cfg.val_every and self.step == 0:  # a resumed run validated this step before saving it
+            console.phase("validating before the first step")
             self.sink.log(self.validate(), self.step)
         self.source.start(self.step, self.policy_version)
         while self.step < cfg.total_steps:

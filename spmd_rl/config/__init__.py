@@ -14,7 +14,7 @@ flags in :mod:`.loading`.
 
 from .checks import validate
 from .engines import ActorConfig, CriticConfig, CriticModelConfig, FsdpConfig, LoraConfig, MegatronConfig, RefConfig
-from .episodes import EnvConfig
+from .episodes import AgentConfig, EnvConfig
 from .loading import from_yaml, load_config, split_config_flag, to_dict, to_yaml
 from .sections import (
     AlgoConfig, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, PoolsConfig, RewardConfig,
@@ -22,7 +22,7 @@ from .sections import (
 )
 
 __all__ = [
-    "ActorConfig", "AlgoConfig", "CheckpointConfig", "Config", "CriticConfig", "CriticModelConfig", "DataConfig", "EnvConfig",
+    "ActorConfig", "AgentConfig", "AlgoConfig", "CheckpointConfig", "Config", "CriticConfig", "CriticModelConfig", "DataConfig", "EnvConfig",
     "FsdpConfig", "LoggingConfig", "LoraConfig", "MegatronConfig", "ModelConfig", "PoolsConfig", "RefConfig", "RewardConfig",
     "RewardModelConfig", "RolloutConfig", "TeacherConfig", "TeacherModelConfig", "TrainerConfig", "from_yaml", "load_config", "split_config_flag",
     "to_dict", "to_yaml", "validate",

@@ -13,7 +13,7 @@ from spmd_rl.algo import parse_is_threshold, parse_rollout_rs
 
 from .checks import _check
 from .engines import ActorConfig, CriticConfig, FsdpConfig, MegatronConfig, RefConfig
-from .episodes import EnvConfig
+from .episodes import AgentConfig, EnvConfig
 
 
 @dataclass(kw_only=True)
@@ -537,6 +537,7 @@ def _is_signal(name: str) -> bool:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -75,7 +75,7 @@ class EpisodeRunner:
             for e, prompt in zip(episodes, pool.map(self._reset, episodes)):
                 e.prompt = prompt
             self._play(engine, episodes, pool, sampling)
-        return self._rows(episodes)
+        return episode_rows(episodes)
 
     def _play(self, engine: Any, episodes: list[Episode], pool: ThreadPoolExecutor, sampling: dict) -> None:
         """Streams until every episode ended: a turn that finishes goes to ``pool``; an episode whose
@@ -171,33 +171,33 @@ class EpisodeRunner:
             raise RuntimeError(f"environment {where} (or --reward.on-error skip)") from err
         e.failed, e.done = where, True
 
-    # ------------------------------------------------------------------ the round's rows
-    def _rows(self, episodes: list[Episode]) -> dict[str, torch.Tensor]:
-        """The episodes as a round's rows: tensors right-padded with 0 (the pad id is the caller's)."""
-        rows = len(episodes)
-        width = max(max(len(e.tokens) for e in episodes), 1)
-        prompt_width = max(len(e.prompt) for e in episodes)
-        out = {"response_ids": torch.zeros(rows, width, dtype=torch.long),
-               "response_mask": torch.zeros(rows, width), "context_mask": torch.zeros(rows, width),
-               "logprobs": torch.zeros(rows, width), "prompt_ids": torch.zeros(rows, prompt_width, dtype=torch.long)}
-        for r, e in enumerate(episodes):
-            t = len(e.tokens)
-            model = torch.tensor(e.model, dtype=torch.float32)
-            if e.failed is not None:  # skipped (reward.on_error=skip): nothing of it is trained on
-                model.zero_()
-            out["response_ids"][r, :t] = torch.tensor(e.tokens, dtype=torch.long)
-            out["response_mask"][r, :t] = model
-            out["context_mask"][r, :t] = 1.0 - torch.tensor(e.model, dtype=torch.float32)
-            out["logprobs"][r, :t] = torch.tensor(e.logprobs, dtype=torch.float32)
-            out["prompt_ids"][r, :len(e.prompt)] = torch.tensor(e.prompt, dtype=torch.long)
-        counts = {"prompt_lengths": [len(e.prompt) for e in episodes], "truncated": [e.truncated for e in episodes],
-                  "env_turns": [e.turns for e in episodes], "env_failed": [e.failed is not None for e in episodes],
-                  "env_tool_calls": [e.tool_calls + int(getattr(e.env, "tool_calls", 0)) for e in episodes],
-                  "env_tool_errors": [e.tool_errors + int(getattr(e.env, "tool_errors", 0)) for e in episodes]}
-        out.update({k: torch.tensor(v, dtype=torch.long) for k, v in counts.items()})
-        out["env_reward"] = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
-        out["env_seconds"] = torch.tensor([e.seconds for e in episodes], dtype=torch.float32)
-        return out
+
+def episode_rows(episodes: list[Episode]) -> dict[str, torch.Tensor]:
+    """The episodes as a round's rows (module docstring): tensors right-padded with 0."""
+    rows = len(episodes)
+    width = max(max(len(e.tokens) for e in episodes), 1)
+    prompt_width = max(len(e.prompt) for e in episodes)
+    out = {"response_ids": torch.zeros(rows, width, dtype=torch.long),
+           "response_mask": torch.zeros(rows, width), "context_mask": torch.zeros(rows, width),
+           "logprobs": torch.zeros(rows, width), "prompt_ids": torch.zeros(rows, prompt_width, dtype=torch.long)}
+    for r, e in enumerate(episodes):
+        t = len(e.tokens)
+        model = torch.tensor(e.model, dtype=torch.float32)
+        if e.failed is not None:  # skipped (reward.on_error=skip): nothing of it is trained on
+            model.zero_()
+        out["response_ids"][r, :t] = torch.tensor(e.tokens, dtype=torch.long)
+        out["response_mask"][r, :t] = model
+        out["context_mask"][r, :t] = 1.0 - torch.tensor(e.model, dtype=torch.float32)
+        out["logprobs"][r, :t] = torch.tensor(e.logprobs, dtype=torch.float32)
+        out["prompt_ids"][r, :len(e.prompt)] = torch.tensor(e.prompt, dtype=torch.long)
+    counts = {"prompt_lengths": [len(e.prompt) for e in episodes], "truncated": [e.truncated for e in episodes],
+              "env_turns": [e.turns for e in episodes], "env_failed": [e.failed is not None for e in episodes],
+              "env_tool_calls": [e.tool_calls + int(getattr(e.env, "tool_calls", 0)) for e in episodes],
+              "env_tool_errors": [e.tool_errors + int(getattr(e.env, "tool_errors", 0)) for e in episodes]}
+    out.update({k: torch.tensor(v, dtype=torch.long) for k, v in counts.items()})
+    out["env_reward"] = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+    out["env_seconds"] = torch.tensor([e.seconds for e in episodes], dtype=torch.float32)
+    return out
 
 
-__all__ = ["Episode", "EpisodeRunner"]
+__all__ = ["Episode", "EpisodeRunner", "episode_rows"]

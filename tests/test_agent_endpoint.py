@@ -1,0 +1,117 @@
+"""The OpenAI-compatible endpoint for black-box agents (spmd_rl/episodes/agent.py), on CPU with a
+tiny random model: the ``openai`` client drives a 2-turn agent, its tokens are the episode's
+(the replies it read are the model's tokens decoded, the follow-up only appended) and the actor's
+log-probs of them equal the rollout's; bad requests get HTTP errors with a message while the round
+goes on; under ``spmd_rl.train`` the agent's episodes are trained on."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import torch
+
+from spmd_rl.distributed.testing import run_distributed
+from test_train_e2e import _check, launch, read_metrics
+
+SAMPLING = dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=3)
+ERRORS: list[tuple[int, str]] = []
+"""What bad_requests got back for its malformed requests."""
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def bad_requests(client, row: dict) -> float:
+    """Sends malformed requests first (each must get an error), then one good one."""
+    base = str(client.base_url).rstrip("/")
+    codes = [_post(f"{base}/chat/completions", body) for body in (
+        b"{not json", json.dumps({"messages": []}).encode(), json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                                          "n": 2}).encode())]
+    codes.append(_post(base.replace("/e/", "/e/nobody-") + "/chat/completions",
+                       json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode()))
+    ERRORS.extend((code, body["error"]["message"]) for code, body in codes)
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+    return float(reply.choices[0].message.content is not None)
+
+
+def _run(rank: int, world_size: int) -> dict:
+    import sys
+
+    from conftest import HERE
+
+    sys.path.insert(0, HERE)
+    from support import agents
+
+    from spmd_rl.config import ActorConfig, FsdpConfig
+    from spmd_rl.data.batch import RolloutBatch
+    from spmd_rl.distributed.dims import FsdpLayout
+    from spmd_rl.engine.fsdp import FSDPEngine
+    from spmd_rl.episodes.agent import AgentRunner, load_agent
+    from spmd_rl.models import eos_token_ids, load_tokenizer, resolve_model_path
+    from spmd_rl.rollout import build_rollout
+    from spmd_rl.source.rollout import episode_prompts
+
+    folder = str(resolve_model_path("tiny-random", cache_dir=None))
+    tok = load_tokenizer(folder, trust_remote_code=False)
+    eos, pad = eos_token_ids(tok), int(tok.pad_token_id)
+    engine = build_rollout("native", model_folder=folder, device=torch.device("cpu"), dtype=torch.float32,
+                           batch_size=4, pad_token_id=pad, eos_token_ids=eos, trust_remote_code=False)
+    runner = AgentRunner(load_agent("support.agents:two_turns"), tokenizer=tok, eos_ids=eos, max_turns=4,
+                         max_tokens=64, workers=4, skip_errors=False)
+    out = runner.run(engine, [{"answer": "7"}, {"answer": "12"}], n=2, sampling=SAMPLING)
+    batch = RolloutBatch(prompts=episode_prompts(out), tensors={
+        "response_ids": out["response_ids"], "response_mask": out["response_mask"],
+        "context_mask": out["context_mask"], "rollout_logprobs": out["logprobs"]})
+    actor = FSDPEngine(model_folder=folder, mesh=FsdpLayout(1).build("cpu"), device=torch.device("cpu"),
+                       fsdp=FsdpConfig(), actor=ActorConfig(), total_updates=1, trainable=False, pad_token_id=pad,
+                       compute_dtype=None)
+    logprobs = actor.compute_logprobs(batch, temperature=1.0, micro_batch_size=2)[0]
+    model_texts = [[tok.decode(ids[(mask == 1) & (seg == k)].tolist(), skip_special_tokens=True) for k in (0, 1)]
+                   for ids, mask, seg in zip(out["response_ids"], out["response_mask"], _turn_of(out))]
+    bad = AgentRunner(bad_requests, tokenizer=tok, eos_ids=eos, max_turns=4, max_tokens=64, workers=1,
+                      skip_errors=False)
+    bad_out = bad.run(engine, [{"answer": "1"}], n=1, sampling=SAMPLING)
+    return {"out": out, "logprobs": logprobs, "seen": agents.SEEN, "texts": model_texts, "errors": ERRORS,
+            "bad_reward": bad_out["env_reward"].tolist()}
+
+
+def _turn_of(out: dict) -> torch.Tensor:
+    """Each response token's model turn (0, 1, ...): context tokens start a new one."""
+    context = out["context_mask"]
+    return torch.cumsum(torch.nn.functional.pad(context[:, :-1] * (1 - context[:, 1:]), (1, 0)), dim=1)
+
+
+def test_the_openai_client_drives_a_two_turn_agent_and_its_tokens_are_trained_on() -> None:
+    got = run_distributed(_run, 1)[0]
+    out = got["out"]
+    assert out["env_turns"].tolist() == [2, 2, 2, 2] and out["env_reward"].tolist() == [0.5] * 4
+    assert out["agent_restarts"].tolist() == [0, 0, 0, 0]  # each follow-up continued the episode's tokens
+    model, context = out["response_mask"], out["context_mask"]
+    assert (model * context).sum() == 0 and context.sum() > 0
+    assert sorted(tuple(s["replies"]) for s in got["seen"]) == sorted(tuple(t) for t in got["texts"])
+    assert all(s["usage"][k] <= 5 for s in got["seen"] for k in (0, 1))  # max_tokens honoured
+    gap = ((got["logprobs"] - out["logprobs"]).abs() * model).max().item()
+    assert gap < 1e-5, gap
+    codes = [code for code, _ in got["errors"]]
+    assert codes == [400, 400, 400, 404], got["errors"]
+    assert "not JSON" in got["errors"][0][1] and "`n` must be 1" in got["errors"][2][1]
+    assert got["bad_reward"] == [1.0]  # the round went on after the bad requests
+
+
+def test_an_agent_under_train(tmp_path) -> None:
+    out = str(tmp_path / "run")
+    _check(launch(out, "--agent.fn", "support.agents:two_turns", "--env.max-tokens", "64",
+                  "--rollout.max-new-tokens", "6", "--data.train-batch-size", "4", "--rollout.n", "2",
+                  "--actor.ppo-mini-batch-size", "4", "--trainer.total-steps", "2"))
+    steps = [m for m in read_metrics(out) if "env/turns/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["env/turns/mean"] == 2 and abs(m["critic/score/mean"] - 0.5) < 1e-6
