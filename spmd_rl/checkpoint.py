@@ -7,7 +7,8 @@
     ckpt.track(model_folder=folder, actor=engine, sampler=sampler)   # state_dict()/load_state_dict()
     ckpt.check_writable(checkpoint_bytes(num_params))        # before the first step: writable, space
     step = ckpt.resume()                                     # 0 on a fresh start
-    while step < total: ...; ckpt.maybe_save(step)           # its own cadence: every N, final
+    while step < total: ...; ckpt.maybe_save(step)           # every N, every_s, final; on a stop signal:
+                                                             # save, then Preempted on every rank
     ckpt.close()                                             # releases the output folder's lock
 
 What a checkpoint holds (``<output_dir>/checkpoints/step_N/``):
