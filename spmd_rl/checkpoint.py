@@ -69,8 +69,8 @@ from spmd_rl.checkpoint_files import (
     CHECKPOINTS, FORMAT_VERSION, LATEST, MANIFEST, MARKER, STEP_PREFIX, TMP_PREFIX, CorruptCheckpoint,
     SafeLoadPlanner, describe_differences, describe_files, folder_bytes, fsync_dir, is_complete,
     latest_checkpoint, list_checkpoints, lock_output_dir, manifest_problems, read_meta, resolve_checkpoint,
-    rng_state, set_rng_state, step_of, structure_problems, truncate_metrics, unlock_output_dir, write_atomic,
-    write_file, write_manifest,
+    rng_state, set_aside_metrics, set_rng_state, step_of, structure_problems, truncate_metrics, unlock_output_dir,
+    write_atomic, write_file, write_manifest,
 )
 from spmd_rl.config import CheckpointConfig
 from spmd_rl.distributed import watchdog
@@ -161,6 +161,10 @@ class Checkpointer:
         if self.is_coordinator:
             if self.source is not None:
                 self.expected_bytes = folder_bytes(self.source)  # what the next save will need, about
+            kept = set_aside_metrics(self.metrics_path) if self.source is None else None  # another run's curves
+            if kept is not None:
+                log.info(f"{self.metrics_path}: an earlier run's {kept[1]} line(s) kept as {kept[0].name}; this run "
+                         "starts at step 0 and writes a new one")
             dropped = truncate_metrics(self.metrics_path, self.start_step if self.source is not None else -1)
             if dropped:
                 log.info(f"{self.metrics_path}: dropped {dropped} line(s) after step {self.start_step}, "
@@ -287,10 +291,7 @@ class Checkpointer:
         log.info(f"resumed from {self.source} at step {meta['step']} in {time.perf_counter() - start:.2f} s"
                  + (f"; differences from the saving run: {'; '.join(diffs)}" if diffs else
                     "; same world and config as the saving run"))
-        if int(meta["step"]) == self.total_steps:
-            log.info(f"nothing to train: the checkpoint is at trainer.total_steps={self.total_steps} (the run is "
-                     "complete); give a larger --trainer.total-steps to train on")
-        return int(meta["step"])
+        return int(meta["step"])  # at trainer.total_steps: nothing to train (RunSink says so at the start)
 
     # ------------------------------------------------------------------ save
     def due(self, step: int) -> bool:

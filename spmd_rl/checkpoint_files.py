@@ -214,6 +214,23 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+def set_aside_metrics(path: str | os.PathLike) -> tuple[Path, int] | None:
+    """Rename an earlier run's ``metrics.jsonl`` to the first free ``metrics.jsonl.N`` (N = 1, 2, ...)
+    when a run starts from step 0 in its folder, so its curves are kept; the new name and its line
+    count, or None when there is no such file (or an empty one)."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    kept = path.with_name(f"{path.name}.{n}")
+    with open(path) as f:
+        lines = sum(1 for line in f if line.strip())
+    os.replace(path, kept)
+    return kept, lines
+
+
 def truncate_metrics(path: str | os.PathLike, keep_through_step: int) -> int:
     """Drop lines of a ``metrics.jsonl`` whose step is after ``keep_through_step`` (all lines when
     starting fresh, i.e. ``-1``), so a resumed run does not log a step twice. Returns lines dropped."""
@@ -468,7 +485,7 @@ def structure_problems(folder: str | os.PathLike) -> list[str]:
 __all__ = ["CHECKPOINTS", "FORMAT_VERSION", "LATEST", "MARKER", "STEP_PREFIX", "TMP_PREFIX", "SafeEmptyLoadPlanner",
            "SafeLoadPlanner", "describe_differences", "is_complete", "latest_checkpoint", "list_checkpoints",
            "load_without_process_group", "read_meta", "resolve_checkpoint", "rng_state", "set_rng_state", "step_of",
-           "truncate_metrics", "folder_bytes", "fsync_dir", "write_atomic", "write_file",
+           "set_aside_metrics", "truncate_metrics", "folder_bytes", "fsync_dir", "write_atomic", "write_file",
            "LOCK", "MANIFEST", "CorruptCheckpoint", "OutputDirInUse", "describe_files", "file_sha256",
            "lock_output_dir", "manifest_problems", "model_parameters", "read_manifest", "structure_problems",
            "unlock_output_dir",

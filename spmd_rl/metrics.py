@@ -6,7 +6,8 @@
     metrics = acc.reduce(group)              # every rank of the group calls this
     sink.log(metrics, step)                  # a no-op on ranks other than 0
 
-Sinks: console (a tqdm bar with step, reward, tokens/s and ETA, plus one summary line per step),
+Sinks: console (the status line of :mod:`spmd_rl.console`: the start-up's phases, then a bar with
+step, reward, tokens/s and an ETA from the steps' own times, plus one summary line per step),
 JSONL (``<output_dir>/metrics.jsonl``) and wandb (offline unless WANDB_API_KEY is set). Only rank 0
 builds real sinks; the others get :class:`NullSink`, so the training loop has no rank checks.
 
@@ -138,11 +139,15 @@ class RunSink:
         # unbuffered: one write call per line, cut back to the last whole line when it fails (append_line)
         self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "ab", buffering=0) if logging_cfg.jsonl else None
         self.bar = None
-        if logging_cfg.console:
-            from tqdm import tqdm
+        self.first_step_at: float | None = None  # when this process's first step started: the ETA's zero
+        if logging_cfg.console:  # the status line spmd_rl.train started (or a new one), later the step bar
+            from spmd_rl import console
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="grpo", dynamic_ncols=True,
-                            file=sys.stderr, mininterval=0)
+            self.bar = console.start().bar
+        if start_step >= total_steps:
+            self.info(f"the run in {output_dir} is already complete at step {start_step} (trainer.total_steps="
+                      f"{total_steps}): nothing to train; to train on from there, give --trainer.total-steps above "
+                      f"{start_step}; for a new run, a new --trainer.output-dir")
         self.wandb = None
         if logging_cfg.wandb != "off":
             try:
@@ -176,14 +181,25 @@ class RunSink:
         else:
             self.info(f"resolved config: {path} (--logging.print-config prints it here)")
 
+    def _steps(self) -> Any:
+        """The status line as the step bar (it says the start-up's phases until the first step)."""
+        from spmd_rl import console
+
+        status = console.current()
+        return status.steps(self.total_steps, self.start_step) if status is not None else self.bar
+
     def step_started(self, step: int, device: torch.device | str) -> None:
         """Say on the bar what the first step this process runs is doing until its metrics arrive
         (they replace the note): on CUDA it compiles kernels and captures the rollout's CUDA graphs,
-        which takes tens of seconds once; later steps do not change the bar here."""
-        if self.bar is None or step != self.start_step + 1:
+        which takes tens of seconds once; later steps do not change the bar here. The ETA counts from
+        this first step's start: the start-up and the first validation are not steps."""
+        if step != self.start_step + 1:
+            return
+        self.first_step_at = time.time()
+        if self.bar is None:
             return
         what = "compiling and capturing graphs" if torch.device(device).type == "cuda" else "first step running"
-        self.bar.set_postfix_str(f"step {step}: {what}", refresh=True)
+        self._steps().set_postfix_str(f"step {step}: {what}", refresh=True)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         elapsed_s = self.start_elapsed_s + time.time() - self.start_time
@@ -194,20 +210,28 @@ class RunSink:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         if self.bar is not None and "timing_s/step" in metrics:
+            from spmd_rl import console
+
             done = step - self.start_step
-            elapsed = time.time() - self.start_time
+            elapsed = time.time() - (self.first_step_at or self.start_time)  # the steps' time only
             eta = elapsed / max(done, 1) * (self.total_steps - step)
-            self.bar.set_postfix_str(
+            bar = self._steps()
+            bar.set_postfix_str(
                 f"reward={metrics.get('critic/score/mean', float('nan')):.3f} "
                 f"tok/s={metrics.get('perf/tokens_per_s', 0):.0f} eta={_fmt_time(eta)}", refresh=False)
-            self.bar.update(1)
-            self.bar.write(_summary(step, metrics), file=sys.stderr)
+            bar.update(1)
+            bar.write(_summary(step, metrics), file=sys.stderr)
+            status = console.current()
+            if status is not None:
+                status.first_step_done()
         elif self.bar is not None:
             self.bar.write(_summary(step, metrics), file=sys.stderr)
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.close()
+            from spmd_rl import console
+
+            console.close()
         if self.jsonl is not None:
             self.jsonl.close()
         if self.wandb is not None:

@@ -35,6 +35,7 @@ _PARENT_PID = os.getppid()  # before the imports below: the launcher that starte
 
 from typing import TYPE_CHECKING, Any
 
+from spmd_rl import console
 from spmd_rl.config import load_config
 from spmd_rl.models.shape import read_model_shape
 from spmd_rl.plan import plan
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     catch_stop_signals(parent_pid=_PARENT_PID if torchrun else None)
     if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
         load_config(argv)  # prints the flags and exits, before torch is imported (below)
+    if console.main_rank():  # the status line: what the run does from its first second, on a ticking clock
+        console.start().phase("importing torch")
     from spmd_rl.compiled import use_compile_cache
     from spmd_rl.distributed.env import DistEnv
     from spmd_rl.distributed.watchdog import install, start_watchdog
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         if not env.is_main:
             time.sleep(REPORT_GRACE_S)
         where = "" if env.is_main else f" (rank {env.rank})"
+        console.close()
         print(f"spmd_rl.train: invalid configuration{where}: {e}", file=sys.stderr, flush=True)
         return 2
     if cfg.checkpoint.save_signal:  # the early warning (Slurm's --signal=USR1@120) too
@@ -87,16 +91,21 @@ def main(argv: list[str] | None = None) -> int:
     from spmd_rl.models.builtin import cache_root
 
     use_compile_cache(cache_root(cfg.model.cache_dir) / "compile")  # before anything compiles
+    if not cfg.logging.console:
+        console.close()
+    console.phase(f"joining the world of {env.world_size} process(es)")
     env.init(device=cfg.trainer.device, timeout_s=cfg.trainer.dist_timeout_s, colocate=cfg.pools.colocate)
     cap_memory(run_plan, env)
     watchdog = start_watchdog(env, cfg.trainer.stall_timeout_s)  # stage 'setup' until the trainer's first
     install(watchdog)
+    console.phase("importing the trainer (transformers)")
     from spmd_rl.world import build_run_groups
     from spmd_rl.trainer import Trainer  # heavy imports after the cheap checks
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
 
+    console.phase("building the process groups")
     groups = build_run_groups(run_plan, env, close_timeout_s=min(60.0, cfg.trainer.dist_timeout_s))
     if groups.role != "trainer":  # a rollout, teacher or reward rank: its pool's server
         from spmd_rl.serve import serve_pool
@@ -124,6 +133,7 @@ def run_trainer(cfg: Config, env: DistEnv, groups: RunGroups, run_plan: Any, wat
     except Preempted:  # saved; its one line is logged: the serving pools are told to stop, not to abort
         code = PREEMPTED
     except BaseException as e:
+        console.close()  # the error's lines go below the status line, not onto it
         error = f"{type(e).__name__}: {e}"
         line = user_error(e, setup=trainer is None)
         if line is None:

@@ -4,6 +4,7 @@ checkpoint takes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -107,3 +108,97 @@ def test_a_file_task_without_a_path_says_so() -> None:
 
     with pytest.raises(ValueError, match=r"data.task=gsm8k reads a file: set --data.path .*docs/TRAINING.md"):
         build_prompts(load_config(["--data.task", "gsm8k"]).data)
+
+
+# --------------------------------------------------------------------------- the start: a status line that ticks
+
+
+def _screen(text: str) -> list[str]:
+    """Every frame the terminal showed, one per line (``\\r`` starts a new frame)."""
+    return [part.rstrip() for line in text.split("\n") for part in line.split("\r") if part.strip()]
+
+
+def test_status_line_says_its_phase_on_a_ticking_clock() -> None:
+    import io
+    import time
+
+    from spmd_rl.console import Status
+
+    out = io.StringIO()
+    status = Status(file=out, interval=0.05, start_time=time.time() - 3.0)  # the process started 3 s ago
+    status.phase("loading the model")
+    frames = len(_screen(out.getvalue()))
+    time.sleep(1.3)
+    shown = _screen(out.getvalue())
+    assert len(shown) > frames + 5, "the thread redraws the line while a phase lasts"
+    assert shown[-1].startswith("grpo: loading the model [00:0") and shown[-1] != "grpo: loading the model [00:03]", shown[-3:]
+    bar = status.steps(total=4, initial=0)  # the same line, now the step bar; the clock goes on
+    assert "0/4" in _screen(out.getvalue())[-1] and "00:00" not in _screen(out.getvalue())[-1]
+    assert bar is status.bar
+    status.close()
+
+
+def test_one_eta_from_the_steps_own_time(tmp_path, monkeypatch) -> None:
+    """The start-up (here 1,000 s before the first step) is not in the ETA, and tqdm's own remaining
+    time is not shown beside it."""
+    import io
+    import time
+
+    import torch
+
+    from spmd_rl import console
+    from spmd_rl.config import LoggingConfig
+    from spmd_rl.metrics import RunSink
+
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", out)
+    sink = RunSink(logging_cfg=LoggingConfig(wandb="off"), output_dir=str(tmp_path), total_steps=40, start_step=0,
+                   config_dict={})
+    sink.start_time -= 1000.0
+    sink.step_started(1, torch.device("cpu"))
+    sink.first_step_at -= 2.0  # the first step took 2 s
+    sink.log({"timing_s/step": 2.0, "critic/score/mean": 0.5}, 1)
+    bar = _screen(out.getvalue())[-1]
+    assert bar.count("eta=") == 1 and "<" not in bar and "it/s" not in bar, bar
+    eta = bar.split("eta=")[1].split()[0]
+    assert eta in ("0:01:18", "0:01:19"), bar  # 39 steps x 2 s, not x 1,002 s
+    sink.close()
+    assert console.current() is None
+
+
+def test_a_tiny_run_speaks_from_its_first_second_and_a_finished_one_says_so(tmp_path) -> None:
+    """The first thing a run prints is the status line with its phase, before the model is loaded;
+    re-running a finished run says it is complete and how to go on; a run from step 0 into a folder
+    with an earlier run's metrics.jsonl keeps that file as metrics.jsonl.1."""
+    from spmd_rl.distributed.testing import cpu_env
+
+    flags = ["--model.path", "tiny-random", "--model.cache-dir", str(tmp_path / "cache"), "--data.train-batch-size", "8",
+             "--data.val-size", "8", "--actor.ppo-mini-batch-size", "8", "--rollout.n", "2", "--rollout.max-new-tokens",
+             "4", "--trainer.total-steps", "2", "--logging.wandb", "off", "--trainer.output-dir", str(tmp_path / "run")]
+
+    def run(*extra: str) -> list[str]:
+        proc = subprocess.run([sys.executable, "-m", "spmd_rl.train", *flags, *extra], capture_output=True, text=True,
+                              env=cpu_env(OMP_NUM_THREADS="1"), cwd=REPO, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return _screen(proc.stderr)
+
+    shown = run()
+    first = shown[0]
+    assert first.startswith("grpo: ") and first.endswith("]"), shown[:3]  # a phase and its clock
+    loading = next(i for i, line in enumerate(shown) if "grpo: loading the weights of" in line)
+    step_1 = next(i for i, line in enumerate(shown) if line.startswith("step 1 |"))
+    assert 0 < loading < step_1
+    assert any("grpo: importing torch" in line for line in shown[:loading])
+    assert any("grpo: validating before the first step" in line for line in shown[loading:step_1])
+    again = run()
+    complete = [line for line in again if "already complete" in line]
+    assert complete == [f"the run in {tmp_path / 'run'} is already complete at step 2 (trainer.total_steps=2): nothing "
+                        "to train; to train on from there, give --trainer.total-steps above 2; for a new run, a new "
+                        "--trainer.output-dir"], again
+    old = (tmp_path / "run" / "metrics.jsonl").read_text()
+    fresh = run("--checkpoint.resume", "never")
+    assert (tmp_path / "run" / "metrics.jsonl.1").read_text() == old
+    assert any(line.endswith(f"{tmp_path / 'run' / 'metrics.jsonl'}: an earlier run's {len(old.splitlines())} line(s) "
+                             "kept as metrics.jsonl.1; this run starts at step 0 and writes a new one") for line in fresh)
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == \
+        [0, 1, 2, 2]

@@ -51,6 +51,9 @@ def resolve_model_path(path: str, *, cache_dir: str | None) -> str:
     default :class:`~.builtin.TinyShape`; a model of another shape or seed is a folder built with
     :func:`~.builtin.materialise_tiny_random`.
     """
+    from spmd_rl import console
+
+    console.phase(f"finding the model {path}")
     from .builtin import (
         BUILTIN_NAMES, SMOLLM2_NAME, TINY_NAME, TINY_RM_NAME, TinyShape, cache_root, materialise_gguf,
         materialise_smollm2, materialise_tiny_random, materialise_tiny_random_rm,
@@ -98,6 +101,9 @@ def load_causal_lm(
     """Load a causal LM from a local folder onto the CPU in ``dtype``, in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    from spmd_rl import console
+
+    console.phase(f"loading the weights of {Path(folder).name}")
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
     )

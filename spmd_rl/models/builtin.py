@@ -82,6 +82,11 @@ def materialise(target: Path, build: Callable[[Path], None], *, info: dict) -> P
             # Holding the lock, nobody else is building this name: leftovers are from a crash.
             for stale in target.parent.glob(f".{target.name}.tmp-*"):
                 shutil.rmtree(stale, ignore_errors=True)
+            from spmd_rl import console
+
+            source = str(info.get("source", ""))
+            what = f"dequantising {Path(source).name}" if source.endswith(".gguf") else f"building {target.name}"
+            console.phase(f"{what} once into {target.parent} (later runs load it from there)")
             with atomic_folder(target) as tmp:  # replaces an incomplete target
                 build(tmp)
                 if not (tmp / "config.json").is_file():
