@@ -146,6 +146,12 @@ class Checkpointer:
         self.start_elapsed_s = 0.0  # the run's wall time when the checkpoint was saved: elapsed_s goes on from it
         if self.source is not None:
             saved = read_meta(self.source)
+            if saved.get("weights_only"):  # every rank read the same meta.json: all refuse together
+                self.close()
+                raise ValueError(
+                    f"checkpoint {self.source} holds the model's weights only (checkpoint.weights_only), which cannot "
+                    f"resume a run: give a new --trainer.output-dir, or --checkpoint.resume never to start over here; "
+                    f"spmd_rl.evaluate --from-checkpoint and spmd_rl.export read it")
             self.start_step = int(saved["step"])
             self.start_elapsed_s = float(saved.get("elapsed_s", 0.0))
         if self.start_step > total_steps:  # every rank read the same meta.json: all refuse together
@@ -366,6 +372,8 @@ class Checkpointer:
         name = f"{STEP_PREFIX}{step}"
         tmp = self.root / f"{TMP_PREFIX}{name}"
         states = {n: comp.state_dict() for n, comp in self.components.items()}
+        if self.cfg.weights_only:  # checkpoint.weights_only: the models' weights, nothing a resume needs
+            states = {n: {"model": s["model"]} for n, s in states.items() if isinstance(s, dict) and "model" in s}
         if self.export is not None:
             states[EXPORT] = self.export()  # collective (a gather of every weight); {} when not needed
         try:  # every stage fails on every rank together, so all ranks reach the except clause together
@@ -434,6 +442,7 @@ class Checkpointer:
         when the run saves no checkpoint."""
         if self.is_coordinator:
             self.expected_bytes = max(expected_bytes, self.expected_bytes or 0)
+            log.info(self.disk_line())
         if not (self.cfg.every or self.cfg.save_final):
             return
         with fail_together(group=self.group, what=f"checking the checkpoint folder {self.root}"):
@@ -453,6 +462,20 @@ class Checkpointer:
                                   f"run needs about {_bytes(self.expected_bytes)}: free space, or set "
                                   "--trainer.output-dir on a larger disk")
 
+    def disk_line(self) -> str:
+        """The start's one line on checkpoints: how big, where, how many kept, and how to save less."""
+        cfg = self.cfg
+        if not (cfg.every or cfg.save_final or cfg.every_s):
+            return f"checkpoints: none (checkpoint.every 0, --checkpoint.no-save-final): {self.root} stays empty"
+        when = ", ".join(w for w, on in ((f"every {cfg.every} steps", cfg.every), (f"every {cfg.every_s:g} s", cfg.every_s),
+                                         ("after the last step", cfg.save_final)) if on)
+        what = ("model weights only, not resumable" if cfg.weights_only else
+                "fp32 weights + AdamW + run state, resumable; --checkpoint.weights-only saves a third")
+        size = self.expected_bytes or 0
+        size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
+        return (f"checkpoints: about {size_text} each ({what}) in {self.root}, {when}, the newest "
+                f"{cfg.keep} kept (--checkpoint.keep); --checkpoint.no-save-final saves none")
+
     def close(self) -> None:
         """Release the output folder's lock (the OS releases it too when the process ends)."""
         if self._locked:
@@ -467,6 +490,7 @@ class Checkpointer:
             "world_size": len(self.rank_table),
             "rank_table": self.rank_table,
             "components": sorted(self.components),
+            "weights_only": self.cfg.weights_only,
             "model_folder": self.model_folder,
             "torch_version": torch.__version__,
             "elapsed_s": round(time.time() - self._clock_zero, 3),
@@ -513,11 +537,12 @@ class Checkpointer:
                 shutil.rmtree(leftover, ignore_errors=True)
 
 
-def checkpoint_bytes(num_params: int, *, hf_copy: bool = False) -> int:
+def checkpoint_bytes(num_params: int, *, hf_copy: bool = False, weights_only: bool = False) -> int:
     """About how many bytes one checkpoint of a model with ``num_params`` parameters takes: fp32
-    weights and AdamW's two fp32 moments (12 bytes a parameter), ``hf_copy`` the megatron engine's
-    full copy of the weights for the export (4 more), and 16 MiB for indexes, RNG and tokenizer files."""
-    return num_params * (16 if hf_copy else 12) + 16 * 2**20
+    weights and AdamW's two fp32 moments (12 bytes a parameter; ``weights_only``: the weights, 4),
+    ``hf_copy`` the megatron engine's full copy of the weights for the export (4 more), and 16 MiB
+    for indexes, RNG and tokenizer files."""
+    return num_params * ((4 if weights_only else 12) + (4 if hf_copy else 0)) + 16 * 2**20
 
 
 def _out_of_space(error: BaseException) -> bool:

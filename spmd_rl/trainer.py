@@ -125,7 +125,7 @@ class Trainer:
                                 **({"critic": self.critic.engine} if self.critic else {}))
         self.checkpointer.check_writable(checkpoint_bytes(  # before the first step, not at the first save
             model_parameters(self.model_folder) * (2 if self.critic else 1),
-            hf_copy=engine_spec(cfg.actor.engine).export_copy))
+            hf_copy=engine_spec(cfg.actor.engine).export_copy, weights_only=cfg.checkpoint.weights_only))
 
     @property
     def temperature(self) -> float:

@@ -202,3 +202,75 @@ def test_a_tiny_run_speaks_from_its_first_second_and_a_finished_one_says_so(tmp_
                              "kept as metrics.jsonl.1; this run starts at step 0 and writes a new one") for line in fresh)
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == \
         [0, 1, 2, 2]
+
+
+# --------------------------------------------------------------------------- disk: what a checkpoint takes
+
+
+class _Engine:
+    """An engine's checkpoint state in the shape the FSDP engine gives it."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.w, self.m = torch.arange(4096.0), torch.ones(2 * 4096)
+
+    def state_dict(self) -> dict:
+        return {"model": {"w": self.w}, "optimizer": {"m": self.m}, "scheduler": {"last_epoch": 3}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.w.copy_(state["model"]["w"])
+
+
+def _weights_only_body(rank: int, world_size: int, out: str) -> tuple[int, int, list[str], str, list[str], str]:
+    from spmd_rl.checkpoint import Checkpointer
+    from spmd_rl.checkpoint_files import folder_bytes, load_without_process_group
+    from spmd_rl.config import CheckpointConfig
+    from spmd_rl.data.sampler import PromptSampler
+
+    table = [{"rank": 0, "host": "h", "device": "cpu"}]
+    sizes, lines = [], []
+    for name, weights_only in (("full", False), ("weights", True)):
+        ckpt = Checkpointer(checkpoint=CheckpointConfig(weights_only=weights_only), output_dir=f"{out}/{name}",
+                            total_steps=4, rank_table=table)
+        ckpt.track(actor=_Engine(), sampler=PromptSampler(8, 2, 0))
+        ckpt.check_writable(4096 * (4 if weights_only else 12))
+        lines.append(ckpt.disk_line())
+        sizes.append(folder_bytes(ckpt.save(2)))
+        ckpt.close()
+    keys = sorted(load_without_process_group(f"{out}/weights/checkpoints/step_2"))
+    held = sorted(load_without_process_group(f"{out}/weights/checkpoints/step_2")["actor"])
+    try:
+        Checkpointer(checkpoint=CheckpointConfig(), output_dir=f"{out}/weights", total_steps=4, rank_table=table)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return sizes[0], sizes[1], keys, refused, lines, ",".join(held)
+
+
+def test_weights_only_checkpoints_hold_the_weights_and_refuse_to_resume(tmp_path) -> None:
+    from spmd_rl.distributed.testing import run_distributed
+
+    ((full, weights, keys, refused, lines, held),) = run_distributed(_weights_only_body, 1, str(tmp_path))
+    assert keys == ["actor"] and held == "model", (keys, held)  # no optimizer, scheduler, sampler
+    assert weights < full - 2 * 4096 * 4 * 0.9, (weights, full)  # AdamW's moments (8 bytes a weight) left out
+    assert refused.startswith(f"checkpoint {tmp_path / 'weights' / 'checkpoints' / 'step_2'} holds the model's "
+                              "weights only (checkpoint.weights_only), which cannot resume a run: give a new "
+                              "--trainer.output-dir, or --checkpoint.resume never")
+    full_line, weights_line = lines
+    assert full_line.startswith("checkpoints: about ") and f"in {tmp_path / 'full' / 'checkpoints'}" in full_line
+    assert "resumable; --checkpoint.weights-only saves a third" in full_line and "the newest 1 kept" in full_line
+    assert "(model weights only, not resumable)" in weights_line
+
+
+def test_checkpoint_flags_are_checked_and_sized() -> None:
+    from spmd_rl.checkpoint import checkpoint_bytes
+    from spmd_rl.config import CheckpointConfig, load_config
+
+    assert load_config(["--checkpoint.weights-only"]).checkpoint.weights_only
+    with pytest.raises(ValueError, match=r"checkpoint.weights_only saves checkpoints no run can resume from, and "
+                                         r"checkpoint.every_s=60.0 .*drop --checkpoint.weights-only or --checkpoint.every-s"):
+        load_config(["--checkpoint.weights-only", "--checkpoint.every-s", "60"])
+    n = 135_000_000
+    assert checkpoint_bytes(n) == 12 * n + 16 * 2**20 and checkpoint_bytes(n, weights_only=True) == 4 * n + 16 * 2**20
+    assert not CheckpointConfig().weights_only  # the default checkpoint resumes exactly

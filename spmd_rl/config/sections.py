@@ -510,6 +510,11 @@ class CheckpointConfig:
     """An early-warning signal that, like SIGTERM and SIGINT, makes the run save at the end of the
     step it is in and stop with exit status 75 (Slurm's `--signal=USR1@120`; empty = none). A second
     signal ends the run at once, keeping the newest complete checkpoint."""
+    weights_only: bool = False
+    """Save only the model's fp32 weights (the actor's, and the critic's), a third of a full
+    checkpoint: for experiments whose result is evaluated or exported (`spmd_rl.evaluate
+    --from-checkpoint`, `spmd_rl.export`) but never continued. Such a checkpoint cannot resume a run
+    (no optimizer, LR schedule, sampler or RNG state): a run that finds one refuses to start."""
 
 @dataclass(kw_only=True)
 class Config:
@@ -518,6 +523,9 @@ class Config:
                f"checkpoint.every_s must be a number of seconds >= 0 (0 = off), got {self.every_s}")
         _check(not self.save_signal or _is_signal(self.save_signal),
                f"checkpoint.save_signal: unknown signal {self.save_signal!r}; e.g. SIGUSR1, SIGUSR2 (empty = none)")
+        _check(not (self.weights_only and self.every_s),
+               f"checkpoint.weights_only saves checkpoints no run can resume from, and checkpoint.every_s="
+               f"{self.every_s} saves to resume after a crash: drop --checkpoint.weights-only or --checkpoint.every-s")
 
 
 def _is_signal(name: str) -> bool:
