@@ -392,6 +392,7 @@ class Trainer:
         flops = {phase: metrics.pop(f"perf/flops/{phase}") for phase in phases}
         for name, seconds in timer.seconds.items():
             metrics[f"timing_s/{name}"] = seconds  # the loop is lockstep: rank 0's clock speaks for all
+        metrics.update(self.checkpointer.pop_timing())  # the saves since the last step's line (after step - 1)
         step_s = max(timer.seconds["step"], 1e-9)
         metrics["perf/tokens_per_s"] = metrics.pop("perf/total_tokens") / step_s
         if "async/rollout_busy_s" in metrics:  # the share of the step each pool waited
@@ -411,7 +412,6 @@ class Trainer:
         mean score and accuracy over all answers, pass@k and mean@k (spmd_rl.passk)."""
         if not self.val_samples:
             return {}
-        metrics.update(self.checkpointer.pop_timing())  # the saves since the last step's line (after step - 1)
         self.rollout.sync(self.actor, self.policy_version)
         sampling = dict(n=self.cfg.trainer.val_n, temperature=self.cfg.trainer.val_temperature, top_p=1.0, top_k=0,
                         max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.trainer.seed)
