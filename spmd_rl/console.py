@@ -56,7 +56,7 @@ class Status:
         self.interval = interval if interval is not None else (1.0 if tty else PIPE_INTERVAL_S)
         self.tick_after_first_step = tty
         self.bar: Any = tqdm(total=None, desc="starting", bar_format=STARTUP_FORMAT, file=self.file,
-                             dynamic_ncols=True, mininterval=0, leave=True)
+                             dynamic_ncols=True, mininterval=0, leave=True, delay=1e-9)  # drawn below, clock set
         self.bar.start_t = process_start_time() if start_time is None else start_time
         self.bar.refresh()
         self.stepping = False
