@@ -107,8 +107,12 @@ _current: Status | None = None
 
 
 def start(**kwargs: Any) -> Status:
-    """Show the status line of this process (rank 0's); the one :func:`phase` reports to."""
+    """Show the status line of this process (rank 0's) on ``file`` (default: stderr), or return the one
+    shown there already; the one :func:`phase` reports to. One left on another stream (a run that
+    ended without closing it, stderr replaced since) is closed first."""
     global _current
+    if _current is not None and _current.file is not (kwargs.get("file") or sys.stderr):
+        close()
     if _current is None:
         _current = Status(**kwargs)
     return _current
