@@ -74,7 +74,7 @@ from torch.distributed.tensor import DTensor
 
 from spmd_rl.config import ActorConfig, FsdpConfig, LoraConfig
 from spmd_rl.data.batch import RolloutBatch
-from spmd_rl.engine import attention, norms, packing, ulysses
+from spmd_rl.engine import attention, host_memory, norms, packing, ulysses
 from spmd_rl.engine import lora as lora_utils
 from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available, keep_logits_bytes
@@ -138,6 +138,8 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
         self.compute_dtype = compute_dtype or (torch.bfloat16 if self.on_gpu else torch.float32)
         self._params_on_device = self._optimizer_on_device = True
         self.group = group
+        if not self.on_gpu:  # before the model loads: freed host memory goes back (engine/host_memory.py)
+            host_memory.tune_malloc()
         self._set_sequence_layout(sp_group, use_packing=use_packing, max_tokens_per_gpu=max_tokens_per_gpu)
         model = self._prepare_model(model_folder, fsdp=fsdp, value_model=value_model, seed=seed,
                                     trust_remote_code=trust_remote_code, logits_chunk_tokens=logits_chunk_tokens,

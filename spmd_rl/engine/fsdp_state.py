@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from spmd_rl.engine import host_memory
 from spmd_rl.engine import lora as lora_utils
 
 
@@ -90,8 +91,13 @@ class FSDPOffload:
         torch's allocator returns its cached blocks to the driver only when something moved: after
         every phase that would cost a small model's step a visible share of its time plus the next
         phase's fresh allocations, and within the process the allocator frees its cache itself before it fails an allocation.
-        A rollout that allocates outside it (vLLM waking up) empties the cache itself."""
+        A rollout that allocates outside it (vLLM waking up) empties the cache itself. On CPU runs the
+        gradients go (every update starts from none; between phases nothing reads them) and the free
+        pages of malloc's heaps go back to the system (:func:`~spmd_rl.engine.host_memory.trim`)."""
         if not self.on_gpu:
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            host_memory.trim()
             return
         moved = False
         if self.param_offload and self._params_on_device:
