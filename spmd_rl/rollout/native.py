@@ -5,7 +5,8 @@
     out = engine.generate(prompt_ids, n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256, seed=7)
 
 It keeps its OWN copy of the model (eval mode, no grad), separate from the actor's; the trainer
-streams the actor's weights into it with :meth:`NativeRollout.load_weights` before each rollout.
+streams the actor's weights into it with :meth:`NativeRollout.load_weights` before each rollout. On
+the CPU a level-2 sleep drops that copy until the next load (the CPU runs' default, docs/PERF.md).
 
 How a call runs: the ``len(prompts) * n`` rows are sorted by prompt length (less padding). The fast
 path takes them all at once and keeps ``batch_size`` of them decoding: a finished row's slot takes
@@ -125,6 +126,10 @@ class NativeRollout:
         self._targets.update(self.model.named_buffers(remove_duplicate=False))
         self._host_copies: list[list[torch.Tensor]] | None = None  # per storage unit, kept across sleeps
         self._sleep_level = 0
+        # On the CPU a level-2 sleep drops the parameters (the host is the device: a host copy would be a
+        # second copy): the ids of those not loaded since, and the storage units that gave their memory back
+        self._dropped: set[int] = set()
+        self._dropped_units: list[Fused | _Own] = []
         # The fast path (spmd_rl/rollout/fast.py) reads the same parameters, so hot-swap reaches it too.
         self._fast: FastDecoder | None = None
         if fast_decode:
@@ -368,8 +373,9 @@ class NativeRollout:
 
     @property
     def needs_weights(self) -> bool:
-        """Never: a level-2 sleep keeps the weights in host memory."""
-        return False
+        """After a level-2 sleep on the CPU, until :meth:`load_weights` has written every parameter; never
+        on a GPU, where a level-2 sleep keeps the weights in host memory."""
+        return bool(self._dropped)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy ``(hf_name, full_tensor)`` pairs into the model, casting dtype and device.
@@ -377,6 +383,7 @@ class NativeRollout:
         For tied embeddings either ``lm_head.weight`` or ``model.embed_tokens.weight`` may be sent
         (or both); they are the same tensor here.
         """
+        self._restore_storages()
         with torch.no_grad():
             for name, tensor in named_tensors:
                 target = self._targets.get(name)
@@ -388,6 +395,7 @@ class NativeRollout:
                     raise ValueError(f"NativeRollout.load_weights: {name} has shape {tuple(tensor.shape)}, "
                                      f"the rollout model expects {tuple(target.shape)}")
                 target.copy_(tensor)
+                self._dropped.discard(id(target))
 
     def room_for_weights(self) -> str | None:
         """None when one more copy of the weights fits in this device's free memory (a staged transfer,
@@ -401,7 +409,8 @@ class NativeRollout:
     def sleep(self, level: int) -> None:
         """0: keep everything on the device (a no-op: the next rollout reuses the KV cache and the
         captured CUDA graphs); 1: free the KV cache and the CUDA graphs; 2: also move the weights to
-        (pinned) host memory.
+        (pinned) host memory on a GPU, or drop them on the CPU (:meth:`needs_weights` until
+        :meth:`load_weights` writes them again: the trainer's next sync does).
 
         The freed memory goes back to torch's caching allocator, where the colocated actor's passes
         reuse it; the cache is not emptied to the driver, so the next rollout does not allocate afresh
@@ -414,7 +423,9 @@ class NativeRollout:
             return
         if self._fast is not None:
             self._fast.release()
-        if level == 2 and self._sleep_level < 2:
+        if level == 2 and self._sleep_level < 2 and self.device.type == "cpu":
+            self._drop_weights()
+        elif level == 2 and self._sleep_level < 2:
             if self._host_copies is None:
                 pin = self.device.type == "cuda"
                 self._host_copies = [[torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
@@ -429,14 +440,36 @@ class NativeRollout:
 
     def wake_up(self) -> None:
         """Bring the weights back to the device (after ``sleep(2)``) and reallocate the fast path's KV
-        cache (its CUDA graphs are recaptured on first use); a no-op when awake."""
-        if self._sleep_level == 2:
+        cache (its CUDA graphs are recaptured on first use); a no-op when awake. On the CPU the weights a
+        level-2 sleep dropped must have been loaded first."""
+        if self._dropped:
+            names = [n for n, p in self.model.named_parameters() if id(p) in self._dropped]
+            raise RuntimeError(f"NativeRollout.wake_up: a level-2 sleep on the CPU dropped the weights and "
+                               f"{len(names)} parameter(s) were not loaded since, such as {names[:3]}; "
+                               "call load_weights with every parameter first")
+        if self._sleep_level == 2 and self.device.type != "cpu":
             for unit in self._storage:
                 unit.replace([t.to(self.device, non_blocking=True) for t in unit.tensors()])
             self._synchronize()
         if self._sleep_level and self._fast is not None:
             self._fast.restore()
         self._sleep_level = 0
+
+    def _drop_weights(self) -> None:
+        """Give the weights' memory back: the tensors of every unit holding parameters (buffers stay: no
+        sync sends them) become one-element placeholders of their shapes; views and tied names follow,
+        as for the host copies of a GPU."""
+        params = {id(p) for p in self.model.parameters()}
+        self._dropped_units = [u for u in self._storage if isinstance(u, Fused) or id(u.tensor) in params]
+        for unit in self._dropped_units:
+            unit.replace([t.new_empty((1,) * t.dim()).expand(t.shape) for t in unit.tensors()])
+        self._dropped = params
+
+    def _restore_storages(self) -> None:
+        """Memory again for the weights :meth:`_drop_weights` gave back (uninitialised: loads fill it)."""
+        for unit in self._dropped_units:
+            unit.replace([torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in unit.tensors()])
+        self._dropped_units = []
 
     def close(self) -> None:
         if self._fast is not None:
