@@ -5,7 +5,7 @@ one process.
     python -m spmd_rl.evaluate                                              # base model, default task
     python -m spmd_rl.evaluate --from-checkpoint runs/quickstart                 # its newest checkpoint
     python -m spmd_rl.evaluate --trainer.val-n 8 --trainer.val-temperature 1.0 --limit 16  # pass@1..8
-    torchrun --nproc-per-node 8 -m spmd_rl.evaluate --config configs/gsm8k.yaml \
+    torchrun --nproc-per-node 8 -m spmd_rl.evaluate --config configs/gsm8k.yaml \\
         --data.val-path /data/gsm8k/test.jsonl --from-checkpoint runs/gsm8k --out gsm8k_test.json
 
 The config is the trainer's (same flags, same presets), so a run's ``config.yaml`` evaluates the

@@ -186,8 +186,8 @@ class Trainer:
             eos_token_ids=self.eos_ids, trust_remote_code=cfg.model.trust_remote_code,
             max_prompt_length=longest_prompt, seed=engine_seed(cfg.trainer.seed, self.place.rollout_dp),
             pool_groups=groups.rollout_pool_groups)
-        return LocalRollout(engine, place=self.place, sleep_level=cfg.rollout.sleep_level, dtype=dtype,
-                            episodes=self._episodes() if episodes else None)
+        return LocalRollout(engine, place=self.place, sleep_level=cfg.rollout.sleep_level_on(self.env.device.type),
+                            dtype=dtype, episodes=self._episodes() if episodes else None)
 
     def _episodes(self) -> Episodes:
         """``--env.*`` / ``--agent.fn``: every response a multi-turn episode (:mod:`spmd_rl.episodes`),

@@ -33,8 +33,15 @@ class ModelConfig:
     compiled kernels are kept between runs (`compile/`); None = $SPMD_RL_CACHE, else ~/.cache/spmd_rl."""
     trust_remote_code: bool = False
     """Allow a local model folder to run its own Python code. Off unless you trust the folder."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    gradient_checkpointing: bool | None = None
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them: the same
+    gradients bit for bit, for about a third more forward compute in the update. None = on for CPU runs,
+    where the kept activations are the largest part of a rank's memory (docs/PERF.md, "Memory per
+    rank"), off on GPUs; `--model.gradient-checkpointing True` or `False` sets it."""
+
+    def checkpointing_on(self, device_type: str) -> bool:
+        """Whether the training engines recompute activations on this device type (`gradient_checkpointing`)."""
+        return self.gradient_checkpointing if self.gradient_checkpointing is not None else device_type == "cpu"
 
 
 @dataclass(kw_only=True)
@@ -122,10 +129,12 @@ class RolloutConfig:
     compile_decode: bool = True
     """Native backend on CUDA: the decode step's layers through `torch.compile` inside its CUDA graph
     (one kernel for each norm, RoPE and the activation); the first rollout pays the compilation."""
-    sleep_level: Literal[0, 1, 2] = 1
+    sleep_level: Literal[0, 1, 2] | None = None
     """After generation keep everything on the device (0: the next rollout neither reallocates its KV
     cache nor recaptures its CUDA graphs, and the update runs next to them), free the KV cache and
-    graphs (1) or the KV cache and the weights (2). A rollout on its own pool never sleeps."""
+    graphs (1) or the KV cache and the weights (2: the native backend moves them to host memory on a
+    GPU and drops them on the CPU, where the next weight sync writes them anyway). None = 2 on CPU runs,
+    1 on GPUs. A rollout on its own pool never sleeps."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory it may take."""
     gpu_memory_fraction: float = 0.0
@@ -185,6 +194,10 @@ class RolloutConfig:
             0 < self.gpu_memory_utilization <= 1,
             f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
         )
+
+    def sleep_level_on(self, device_type: str) -> int:
+        """The colocated rollout's `sleep_level` on this device type (None: 2 on the CPU, 1 on a GPU)."""
+        return self.sleep_level if self.sleep_level is not None else (2 if device_type == "cpu" else 1)
 
 
 @dataclass(kw_only=True)

@@ -115,14 +115,15 @@ def _build_fsdp(role: Role, *, actor: ActorConfig, ref: RefConfig, model: ModelC
                   trust_remote_code=model.trust_remote_code, pad_token_id=pad_token_id,
                   group=groups.pools.get("global").group, sp_group=groups.sp_group,
                   use_packing=actor.use_packing, max_tokens_per_gpu=actor.max_tokens_per_gpu)
+    checkpointing = model.checkpointing_on(device.type)  # None: on for CPU runs (ModelConfig)
     if role == "actor":
         return FSDPEngine(actor=actor, total_updates=total_updates, trainable=True, moe_aux_coef=moe_aux_coef,
-                          gradient_checkpointing=model.gradient_checkpointing, lora=actor.lora, **common)
+                          gradient_checkpointing=checkpointing, lora=actor.lora, **common)
     if role == "critic":
         assert critic is not None, "the critic's engine needs the critic section"
         common["trust_remote_code"] = critic.model.trust_remote_code
         return FSDPEngine(actor=critic_optimizer(actor, critic), total_updates=total_updates, trainable=True,
-                          gradient_checkpointing=model.gradient_checkpointing, value_model=True, seed=seed, **common)
+                          gradient_checkpointing=checkpointing, value_model=True, seed=seed, **common)
     return FSDPEngine(trainable=False, param_offload=ref.param_offload, **common)
 
 
