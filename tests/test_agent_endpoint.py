@@ -49,31 +49,15 @@ def _run(rank: int, world_size: int) -> dict:
 
     sys.path.insert(0, HERE)
     from support import agents
+    from support.episodes import actor_logprobs, tiny_rollout
 
-    from spmd_rl.config import ActorConfig, FsdpConfig
-    from spmd_rl.data.batch import RolloutBatch
-    from spmd_rl.distributed.dims import FsdpLayout
-    from spmd_rl.engine.fsdp import FSDPEngine
     from spmd_rl.episodes.agent import AgentRunner, load_agent
-    from spmd_rl.models import eos_token_ids, load_tokenizer, resolve_model_path
-    from spmd_rl.rollout import build_rollout
-    from spmd_rl.source.rollout import episode_prompts
 
-    folder = str(resolve_model_path("tiny-random", cache_dir=None))
-    tok = load_tokenizer(folder, trust_remote_code=False)
-    eos, pad = eos_token_ids(tok), int(tok.pad_token_id)
-    engine = build_rollout("native", model_folder=folder, device=torch.device("cpu"), dtype=torch.float32,
-                           batch_size=4, pad_token_id=pad, eos_token_ids=eos, trust_remote_code=False)
+    folder, tok, eos, pad, engine = tiny_rollout()
     runner = AgentRunner(load_agent("support.agents:two_turns"), tokenizer=tok, eos_ids=eos, max_turns=4,
                          max_tokens=64, workers=4, skip_errors=False)
     out = runner.run(engine, [{"answer": "7"}, {"answer": "12"}], n=2, sampling=SAMPLING)
-    batch = RolloutBatch(prompts=episode_prompts(out), tensors={
-        "response_ids": out["response_ids"], "response_mask": out["response_mask"],
-        "context_mask": out["context_mask"], "rollout_logprobs": out["logprobs"]})
-    actor = FSDPEngine(model_folder=folder, mesh=FsdpLayout(1).build("cpu"), device=torch.device("cpu"),
-                       fsdp=FsdpConfig(), actor=ActorConfig(), total_updates=1, trainable=False, pad_token_id=pad,
-                       compute_dtype=None)
-    logprobs = actor.compute_logprobs(batch, temperature=1.0, micro_batch_size=2)[0]
+    logprobs = actor_logprobs(out, folder, pad)
     model_texts = [[tok.decode(ids[(mask == 1) & (seg == k)].tolist(), skip_special_tokens=True) for k in (0, 1)]
                    for ids, mask, seg in zip(out["response_ids"], out["response_mask"], _turn_of(out))]
     bad = AgentRunner(bad_requests, tokenizer=tok, eos_ids=eos, max_turns=4, max_tokens=64, workers=1,

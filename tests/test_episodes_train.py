@@ -26,37 +26,21 @@ def _episode_and_logprobs(rank: int, world_size: int) -> dict:
     from conftest import HERE
 
     sys.path.insert(0, HERE)
-    from spmd_rl.config import ActorConfig, FsdpConfig
-    from spmd_rl.data.batch import RolloutBatch
-    from spmd_rl.distributed.dims import FsdpLayout
-    from spmd_rl.engine.fsdp import FSDPEngine
+    from support.episodes import actor_logprobs, tiny_rollout
+
     from spmd_rl.episodes.env import load_env
     from spmd_rl.episodes.framing import TurnFraming
     from spmd_rl.episodes.runner import EpisodeRunner
-    from spmd_rl.models import eos_token_ids, load_tokenizer, resolve_model_path
-    from spmd_rl.rollout import build_rollout
     from spmd_rl.source.rollout import episode_prompts
 
-    folder = str(resolve_model_path("tiny-random", cache_dir=None))
-    tok = load_tokenizer(folder, trust_remote_code=False)
-    eos, pad = eos_token_ids(tok), int(tok.pad_token_id)
-    engine = build_rollout("native", model_folder=folder, device=torch.device("cpu"), dtype=torch.float32,
-                           batch_size=4, pad_token_id=pad, eos_token_ids=eos, trust_remote_code=False)
+    folder, tok, eos, pad, engine = tiny_rollout()
     runner = EpisodeRunner(load_env("support.envs:ThreeTurns", None), framing=TurnFraming(tok, eos_ids=eos),
                            tokenizer=tok, max_turns=5, max_tokens=96, tools=None, workers=2, skip_errors=False)
     out = runner.run(engine, [{"answer": "7"}, {"answer": "12"}], n=2,
                      sampling=dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=5))
-    batch = RolloutBatch(prompts=episode_prompts(out), tensors={
-        "response_ids": out["response_ids"], "response_mask": out["response_mask"],
-        "context_mask": out["context_mask"], "rollout_logprobs": out["logprobs"]})
-    logprobs = {}
-    for packed in (True, False):
-        actor = FSDPEngine(model_folder=folder, mesh=FsdpLayout(1).build("cpu"), device=torch.device("cpu"),
-                           fsdp=FsdpConfig(), actor=ActorConfig(use_packing=packed), total_updates=1, trainable=False,
-                           pad_token_id=pad, compute_dtype=None)
-        logprobs[packed] = actor.compute_logprobs(batch, temperature=1.0, micro_batch_size=2)[0]
+    logprobs = {packed: actor_logprobs(out, folder, pad, packed=packed) for packed in (True, False)}
     return {"out": out, "logprobs": logprobs, "texts": [tok.decode(p + r[: int((m + c).sum())].tolist())
-            for p, r, m, c in zip(batch.prompts, out["response_ids"], out["response_mask"], out["context_mask"])]}
+            for p, r, m, c in zip(episode_prompts(out), out["response_ids"], out["response_mask"], out["context_mask"])]}
 
 
 def test_three_turn_episodes_are_token_exact_and_the_actor_agrees() -> None:

@@ -25,9 +25,10 @@ class EnvConfig:
     `reset(row) -> messages` (the first chat messages, from the data row) and `step(reply) ->
     (messages, reward, done)` (the model's turn as text; the messages to append, a reward, whether
     the episode ended). The episode's reward is the sum of the rewards `step` returned."""
-    name: Literal["guess_number", "python_math"] | None = None
+    name: Literal["guess_number", "python_math", "textarena"] | None = None
     """A built-in environment (instead of `env.fn`): `guess_number` (find a hidden integer told
-    higher / lower), `python_math` (arithmetic questions with the `python` tool)."""
+    higher / lower), `python_math` (arithmetic questions with the `python` tool), `textarena` (a
+    TextArena single-player game named by the row's `env_id`)."""
     max_turns: int = 4
     """The episode ends after this many model turns (a turn that calls tools counts)."""
     max_tokens: int = 1024
