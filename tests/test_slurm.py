@@ -149,3 +149,27 @@ def test_bad_flags_fail_the_job(slurm, tmp_path):
     logs = glob.glob(os.path.join(tmp_path, "logs", "grpo-srun-*.out"))
     with open(logs[0]) as f:
         assert "data.train_batch_size (3)" in f.read()
+
+
+@pytest.mark.parametrize("script", ["grpo.sbatch", "grpo_srun.sbatch"])
+def test_early_warning_saves_requeues_and_resumes(slurm, tmp_path, script):
+    """Slurm's early warning (USR1 to the batch script, here ``scancel --batch --signal=USR1`` from rank 0's
+    reward function in step 2): the script forwards it, the run saves step 2 and stops with 75, the script
+    requeues the job, which resumes at step 2 and finishes: every step logged once."""
+    os.makedirs(tmp_path / "logs")
+    out, marker = str(tmp_path / "run"), tmp_path / "signalled"
+    per_node = "1" if slurm.nodes == 2 else "2"
+    if script == "grpo.sbatch":
+        args = ["--gpus-per-node", "0"] if slurm.nodes == 2 else ["--nodes", "1", "--gpus-per-node", "0"]
+    else:
+        args = ["--nodes", str(slurm.nodes), "--ntasks-per-node", per_node, "--gpus-per-node", "0"]
+    proc = _sbatch(slurm, str(tmp_path), script, ["--open-mode=append", *args],
+                   short_run(out) + ["--reward.fn", "support.faults:digit_fraction_signalled"],
+                   NPROC_PER_NODE=per_node, SIGNAL_AT_CALL="2", SIGNAL_TARGET="slurm", SIGNAL_NAME="SIGUSR1",
+                   SIGNAL_MARKER=str(marker))
+    log = _job_log(str(tmp_path), "grpo" if script == "grpo.sbatch" else "grpo-srun", proc)
+    assert marker.is_file(), log[-6000:]
+    assert "USR1 (the end is near)" in log and "stopped by SIGUSR1 after step 2/" in log, log[-6000:]
+    assert "requeued, it resumes from it" in log, log[-6000:]
+    assert "at step 2" in log and "resumed from" in log, log[-6000:]
+    assert metric_steps(out) == list(range(1, STEPS + 1))

@@ -122,11 +122,14 @@ def digit_fraction_signalled(prompts: list[str], completions: list[str], **colum
     """Rank 0, at its ``$SIGNAL_AT_CALL``-th scoring call (the reward stage of that step, validation
     off), sends ``$SIGNAL_NAME`` (default SIGTERM) to ``$SIGNAL_TARGET``: ``launcher`` (the torchrun
     agent, which forwards it to every worker, as Slurm's stop does), ``group`` (the launcher's process
-    group: a Ctrl-C in the terminal) or ``self``; then writes ``$SIGNAL_MARKER``. With ``$SIGNAL_AGAIN_AT_SAVE``
+    group: a Ctrl-C in the terminal), ``slurm`` (``scancel --batch --signal``: the job's batch script)
+    or ``self``; once (not when the marker exists); then writes ``$SIGNAL_MARKER``. With ``$SIGNAL_AGAIN_AT_SAVE``
     set, the signal is sent once more from the checkpoint save (a second signal during the save)."""
     global _calls
     _calls += 1
-    if os.environ.get("RANK") == "0" and _calls == int(os.environ["SIGNAL_AT_CALL"]):
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))  # torchrun's, else srun's
+    if (rank == "0" and _calls == int(os.environ["SIGNAL_AT_CALL"])
+            and not os.path.exists(os.environ["SIGNAL_MARKER"])):  # once: not again in the resumed run
         _send_signal()
         if os.environ.get("SIGNAL_AGAIN_AT_SAVE"):
             _signal_again_in_the_save()
@@ -138,7 +141,12 @@ def digit_fraction_signalled(prompts: list[str], completions: list[str], **colum
 def _send_signal() -> None:
     sig = getattr(signal, os.environ.get("SIGNAL_NAME", "SIGTERM"))
     target = os.environ.get("SIGNAL_TARGET", "launcher")
-    if target == "group":  # the launcher's process group: what a terminal's Ctrl-C reaches (torchrun's
+    if target == "slurm":  # Slurm's early warning to the batch script (as --signal=B:USR1@180 sends it)
+        import subprocess
+
+        subprocess.run(["scancel", "--batch", f"--signal={signal.Signals(sig).name[3:]}", os.environ["SLURM_JOB_ID"]],
+                       check=True)
+    elif target == "group":  # the launcher's process group: what a terminal's Ctrl-C reaches (torchrun's
         os.killpg(os.getpgid(os.getppid()), sig)  # workers have sessions of their own; it forwards the signal)
     else:
         os.kill(os.getppid() if target == "launcher" else os.getpid(), sig)
