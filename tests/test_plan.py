@@ -303,6 +303,11 @@ def test_train_and_layout_refuse_before_building(monkeypatch, capsys) -> None:
 
     assert layout.main(["--world-size", "2", "--rollout.backend", "vllm", "--rollout.tp", "2"]) == 2
     assert "--rollout.tp 2 must divide the model's 9 attention heads" in capsys.readouterr().err
+    # a model this machine does not have: planned without its shape, and the tool says so
+    assert layout.main(["--world-size", "2", "--rollout.backend", "vllm", "--rollout.tp", "2", "--model.path",
+                        "/models/not-here"]) == 0
+    assert ("model: not a local folder, .gguf file or built-in name here: its heads and layers are not checked"
+            in capsys.readouterr().out)
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
