@@ -66,8 +66,8 @@ class AgentConfig:
     trained on, and the returned number is the episode's reward. `env.max_turns` and `env.max_tokens`
     bound the episode."""
     host: str = "127.0.0.1"
-    """Address the endpoint binds to (a free port is picked per round). Localhost by default: the
-    agent runs in the same process."""
+    """Address the endpoint binds to (a free port is picked per round); the agent runs in the same
+    process, so a loopback address keeps the endpoint off the network."""
     timeout_s: float = 600.0
     """How long a request may wait for its reply before the endpoint answers it with an error."""
 
