@@ -96,10 +96,12 @@ class Status:
         """Into a file or a pipe the clock is redrawn only until the first step ends."""
         self._ticking = self.tick_after_first_step
 
-    def close(self) -> None:
+    def close(self, *, clear: bool = False) -> None:
+        """Stop the clock; ``clear`` erases the line (``logging.console`` off) instead of leaving its last frame."""
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
+        self.bar.leave = not clear
         self.bar.close()
 
 
@@ -128,12 +130,12 @@ def phase(text: str) -> None:
         _current.phase(text)
 
 
-def close() -> None:
-    """Remove the status line (at the end of the run, or before an error is printed)."""
+def close(*, clear: bool = False) -> None:
+    """End the status line (at the end of the run, or before an error is printed; ``clear``: erase it)."""
     global _current
     if _current is not None:
         status, _current = _current, None
-        status.close()
+        status.close(clear=clear)
 
 
 def main_rank() -> bool:

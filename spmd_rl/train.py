@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     use_compile_cache(cache_root(cfg.model.cache_dir) / "compile")  # before anything compiles
     if not cfg.logging.console:
-        console.close()
+        console.close(clear=True)
     console.phase(f"joining the world of {env.world_size} process(es)")
     env.init(device=cfg.trainer.device, timeout_s=cfg.trainer.dist_timeout_s, colocate=cfg.pools.colocate)
     cap_memory(run_plan, env)
