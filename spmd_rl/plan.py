@@ -294,9 +294,14 @@ def _check_episodes(cfg: Config, backend: Any, *, rollout_pool: bool) -> None:
     if not backend.stream:
         raise ValueError(f"{name}: multi-turn episodes continue each episode from its exact tokens in one stream, "
                          f"which rollout.backend={cfg.rollout.backend} cannot: use --rollout.backend native")
-    if rollout_pool:
-        raise ValueError(f"{name}: multi-turn episodes run on a colocated rollout; pools.rollout_ranks="
-                         f"{cfg.pools.rollout_ranks} puts the rollout on a pool of its own: set --pools.rollout-ranks 0")
+    if rollout_pool and cfg.rollout.stream:  # the pool's ranks play whole rounds of episodes, not streamed groups
+        raise ValueError(f"{name}: multi-turn episodes on a rollout pool (pools.rollout_ranks="
+                         f"{cfg.pools.rollout_ranks}) are played in whole rounds; rollout.stream=True streams "
+                         f"single-turn groups: drop --rollout.stream")
+    for flag in ("partial", "stage_weights"):
+        if rollout_pool and getattr(cfg.rollout, flag):  # an episode's turns are all of one policy version
+            raise ValueError(f"{name}: multi-turn episodes on a rollout pool take new weights between rounds; "
+                             f"rollout.{flag}=True takes them during one: drop --rollout.{flag.replace('_', '-')}")
     if cfg.reward.model.path is not None:
         raise ValueError(f"{name}: an episode's score is its environment's rewards; reward.model.path="
                          f"{cfg.reward.model.path} would score it again: unset it")

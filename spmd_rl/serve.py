@@ -36,7 +36,9 @@ def serve_pool(cfg: Config, env: DistEnv, groups: RunGroups) -> int:
 
 def rollout_server(cfg: Config, env: DistEnv, groups: RunGroups) -> ServiceServer:
     """A rollout-pool rank's server: its engine (never asleep: its memory is its own, its pool's ranks or
-    its capped share of a shared GPU), streaming with ``rollout.stream``."""
+    its capped share of a shared GPU), streaming with ``rollout.stream``; with episodes (``--env.*``,
+    ``--agent.fn``) the runner that plays them here, from the data rows each round's command carries."""
+    from spmd_rl.episodes.build import build_episode_runner, episode_prompt_length, episodes_on
     from spmd_rl.models import load_tokenizer, resolve_model_path
     from spmd_rl.models.tokenizer import eos_token_ids
     from spmd_rl.rollout import build_rollout_from_config
@@ -51,11 +53,13 @@ def rollout_server(cfg: Config, env: DistEnv, groups: RunGroups) -> ServiceServe
     engine = build_rollout_from_config(
         cfg.rollout, model_folder=folder, device=env.device, pad_token_id=int(tokenizer.pad_token_id),
         eos_token_ids=eos_token_ids(tokenizer), trust_remote_code=cfg.model.trust_remote_code,
-        max_prompt_length=cfg.data.max_prompt_length, seed=engine_seed(cfg.trainer.seed, replica),
+        max_prompt_length=episode_prompt_length(cfg), seed=engine_seed(cfg.trainer.seed, replica),
         pool_groups=groups.rollout_pool_groups)
     serving = dict(engine=engine, link=groups.rollout_link, replica=replica, sleep_level=0,
                    partial=cfg.rollout.partial, partial_chunk=cfg.rollout.partial_chunk,
                    stage_weights=cfg.rollout.stage_weights)
+    if episodes_on(cfg):  # plan() refuses them with rollout.stream
+        return RolloutServer(**serving, episodes=build_episode_runner(cfg, tokenizer, eos_token_ids(tokenizer)))
     if cfg.rollout.stream:
         return StreamServer(max_prompt_length=cfg.data.max_prompt_length, **serving)
     return RolloutServer(**serving)

@@ -72,11 +72,7 @@ from spmd_rl.profiling import format_stage_times, profiled, stage_times
 from spmd_rl.reward.run import build_run_reward
 from spmd_rl.rollout import build_rollout_from_config
 from spmd_rl.seeds import engine_seed
-from spmd_rl.episodes.agent import AgentRunner, load_agent
-from spmd_rl.episodes.env import load_env
-from spmd_rl.episodes.framing import TurnFraming
-from spmd_rl.episodes.runner import EpisodeRunner
-from spmd_rl.episodes.tools import build_tools, supports_tools
+from spmd_rl.episodes.build import build_episode_runner, episode_prompt_length, episodes_on
 from spmd_rl.source import (
     ActorLayout, BatchSource, Episodes, LocalRollout, PoolRollout, Scorer, StepPrompts, build_batch_source,
 )
@@ -175,38 +171,28 @@ class Trainer:
         rollout pool (``pools.rollout_ranks`` > 0), whose queue holds S + 1 training rounds and a
         validation one."""
         cfg, dtype = self.cfg, torch.bfloat16 if self.env.device.type == "cuda" else None
+        episodes = self._episodes(here=groups.rollout_link is None) if episodes_on(cfg) else None
         if groups.rollout_link is not None:
             groups.rollout_link.max_in_flight = cfg.trainer.max_staleness + 2
             return PoolRollout(groups.rollout_link, dtype=dtype, is_controller=self.env.is_main,
-                               pad_token_id=self.pad_id)
-        episodes = cfg.env.enabled or cfg.agent.fn is not None
-        longest_prompt = cfg.data.max_prompt_length + (cfg.env.max_tokens if episodes else 0)  # an episode's
+                               pad_token_id=self.pad_id, episodes=episodes)
         engine = build_rollout_from_config(
             cfg.rollout, model_folder=self.model_folder, device=self.env.device, pad_token_id=self.pad_id,
             eos_token_ids=self.eos_ids, trust_remote_code=cfg.model.trust_remote_code,
-            max_prompt_length=longest_prompt, seed=engine_seed(cfg.trainer.seed, self.place.rollout_dp),
+            max_prompt_length=episode_prompt_length(cfg), seed=engine_seed(cfg.trainer.seed, self.place.rollout_dp),
             pool_groups=groups.rollout_pool_groups)
         return LocalRollout(engine, place=self.place, sleep_level=cfg.rollout.sleep_level_on(self.env.device.type),
-                            dtype=dtype, episodes=self._episodes() if episodes else None)
+                            dtype=dtype, episodes=episodes)
 
-    def _episodes(self) -> Episodes:
+    def _episodes(self, *, here: bool) -> Episodes:
         """``--env.*`` / ``--agent.fn``: every response a multi-turn episode (:mod:`spmd_rl.episodes`),
-        played from the data rows by an environment or by an agent through the endpoint."""
-        env, agent = self.cfg.env, self.cfg.agent
+        played from the data rows by an environment or by an agent through the endpoint. With a rollout
+        pool (not ``here``) the runner is built there (:mod:`spmd_rl.serve`): here it is None, and the rows go
+        with each round."""
         rows = [s.row for s in self.train_samples], [s.row for s in self.val_samples]
-        if agent.fn is not None:
-            return Episodes(AgentRunner(load_agent(agent.fn), tokenizer=self.tokenizer, eos_ids=self.eos_ids,
-                                        max_turns=env.max_turns, max_tokens=env.max_tokens, workers=env.workers,
-                                        skip_errors=self.cfg.reward.on_error == "skip", host=agent.host,
-                                        timeout_s=agent.timeout_s), *rows)
-        tools = build_tools(env.tools) if env.tools else None
-        native = bool(tools) and supports_tools(self.tokenizer)  # the template renders tools=: else a prompt says how
-        framing = TurnFraming(self.tokenizer, eos_ids=self.eos_ids,
-                              tools=[t.schema() for t in tools.values()] if native else None)
-        runner = EpisodeRunner(load_env(env.fn, env.name), framing=framing, tokenizer=self.tokenizer,
-                               max_turns=env.max_turns, max_tokens=env.max_tokens, tools=tools, workers=env.workers,
-                               skip_errors=self.cfg.reward.on_error == "skip", tools_as_user=not native)
-        return Episodes(runner, *rows)
+        if not here:
+            return Episodes(None, *rows)
+        return Episodes(build_episode_runner(self.cfg, self.tokenizer, self.eos_ids), *rows)
 
     def _batch_source(self) -> BatchSource:
         """Where each step's batch comes from (:mod:`spmd_rl.source`): synchronous rounds (with DAPO's

@@ -95,3 +95,63 @@ def test_a_failing_environment_stops_the_run_or_is_skipped(tmp_path) -> None:
     _check(launch(out, *flags, "--reward.on-error", "skip"))
     steps = [m for m in read_metrics(out) if "env/turns/mean" in m]
     assert steps and all(m["env/failed"] == 8 for m in steps)  # 4 prompts x 2 episodes on the 2 ranks
+
+
+POOL_FLAGS = [*EPISODE_FLAGS, "--trainer.val-every", "2", "--data.val-size", "4"]
+SAME_ANY_LAYOUT = ("env/turns/mean", "env/turns/max", "env/reward/mean", "env/truncated_frac", "env/failed",
+                   "env/tool_calls/mean", "critic/score/mean", "critic/score/max", "critic/score/min")
+
+
+def _episode_steps(out: str) -> list[dict]:
+    return [m for m in read_metrics(out) if "env/turns/mean" in m]
+
+
+def _val(out: str) -> list[dict]:
+    return [{k: v for k, v in m.items() if k.startswith("val/") or k == "step"} for m in read_metrics(out)
+            if any(k.startswith("val/") for k in m)]
+
+
+def test_episodes_on_a_rollout_pool_match_the_colocated_rollout(tmp_path) -> None:
+    """1 actor + 1 rollout rank play the ThreeTurns episodes the colocated rank plays: 3 turns, the
+    summed reward as the score, in training and validation (each episode's reward). Which episode's
+    turn the stream takes next depends on when its environment's step comes back (a worker thread),
+    so the sampled tokens need not be the colocated run's: compared here is what the environment
+    decides, whatever the model says."""
+    base, pool = str(tmp_path / "colocated"), str(tmp_path / "pool")
+    _check(launch(base, *POOL_FLAGS, nproc=1))
+    _check(launch(pool, *POOL_FLAGS, "--pools.rollout-ranks", "1", nproc=2))
+    a, b = _episode_steps(base), _episode_steps(pool)
+    assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
+    for x, y in zip(a, b):
+        assert y["env/turns/mean"] == 3 and abs(y["critic/score/mean"] - 0.75) < 1e-6
+        assert "timing_s/env" in y and "actor/pg_loss" in y
+        assert {k: x[k] for k in SAME_ANY_LAYOUT} == {k: y[k] for k in SAME_ANY_LAYOUT}
+    assert _val(base) == _val(pool) and len(_val(pool)) == 2  # at steps 0 and 2
+    assert all(abs(m["val/score"] - 0.75) < 1e-6 for m in _val(pool)), _val(pool)
+
+
+def test_episodes_on_a_rollout_pool_asynchronous(tmp_path) -> None:
+    """Rounds issued ahead (max staleness 1) on 2 actor + 1 rollout ranks: episodes of one policy
+    version behind at most, their staleness read on the model's tokens."""
+    out = str(tmp_path / "run")
+    flags = [*EPISODE_FLAGS, "--trainer.total-steps", "3", "--trainer.max-staleness", "1"]
+    _check(launch(out, *flags, "--pools.rollout-ranks", "1", nproc=3))
+    steps = _episode_steps(out)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        assert m["env/turns/mean"] == 3 and abs(m["critic/score/mean"] - 0.75) < 1e-6
+        assert 0 <= m["async/staleness/mean"] <= m["async/staleness/max"] <= 1
+    assert steps[-1]["async/staleness/max"] == 1  # step 3 trains on the round generated under step 1's weights
+
+
+def test_plan_refuses_episodes_streamed_or_partial_on_a_pool() -> None:
+    import pytest
+
+    from spmd_rl.config import load_config
+    from spmd_rl.plan import plan
+
+    base = ["--env.fn", "support.envs:ThreeTurns", "--pools.rollout-ranks", "1", "--trainer.max-staleness", "1"]
+    plan(load_config(base), 2)  # whole rounds: planned
+    for flag in ("--rollout.stream", "--rollout.partial", "--rollout.stage-weights"):
+        with pytest.raises(ValueError, match=f"episodes on a rollout pool.*{flag}"):
+            plan(load_config([*base, flag]), 2)  # the message names the flag

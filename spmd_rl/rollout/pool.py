@@ -11,12 +11,13 @@ actor's pool, step by step, in lockstep with it.
 Both ends are the rollout role on the service protocol (:mod:`spmd_rl.distributed.service`).
 Everything that moves is a tensor (:mod:`spmd_rl.distributed.bridge`) except the controller's
 short commands (global rank 0 to every rollout rank: ``weights``, ``generate`` with the sampling
-settings, ``stop``, ``abort``). One ``generate`` round:
+settings, and with multi-turn episodes the round's data rows, ``stop``, ``abort``). One ``generate`` round:
 
 1. global rank 0 (holding the step's prompts) routes the prompts to the rollout ranks: replica
    ``d`` of the rollout layout gets the ``d``-th contiguous share, all its tp x pp ranks alike;
 2. each replica generates ``n`` responses per prompt (seed per replica, as on a colocated rollout,
-   so a separate pool with the same data-parallel size samples the same responses);
+   so a separate pool with the same data-parallel size samples the same responses), or with
+   episodes plays ``n`` episodes of each prompt's data row (:mod:`spmd_rl.episodes.runner`);
 3. the responses are routed to the actor ranks in the actor's layout: each actor data-parallel
    rank gets its contiguous share of the step's rows (training) or each actor rank an even share
    (validation), so no relayout follows.
@@ -67,11 +68,23 @@ COMMANDS_KEY = "spmd_rl/rollout/commands_sent"
 rank looks at it between decode steps: a look that never blocks)."""
 
 
-def response_spec(pad_token_id: int) -> dict[str, tuple[torch.dtype, float]]:
-    """The response tensors a round routes, with their dtypes and pad values."""
-    return {"response_ids": (torch.long, pad_token_id), "response_mask": (torch.float32, 0.0),
+def response_spec(pad_token_id: int, *, episodes: bool = False) -> dict[str, tuple[torch.dtype, float]]:
+    """The response tensors a round routes, with their dtypes and pad values; with ``episodes`` also
+    what :func:`~spmd_rl.episodes.runner.episode_rows` adds (each episode's prompt, context mask and
+    ``env_*`` counts), which only episode rounds route."""
+    spec = {"response_ids": (torch.long, pad_token_id), "response_mask": (torch.float32, 0.0),
             "logprobs": (torch.float32, 0.0), "truncated": (torch.long, 0), "versions": (torch.long, -1),
             "gen_seconds": (torch.float32, 0.0)}
+    if episodes:
+        spec.update(EPISODE_SPEC)
+    return spec
+
+
+EPISODE_SPEC: dict[str, tuple[torch.dtype, float]] = {
+    "context_mask": (torch.float32, 0.0), "prompt_ids": (torch.long, 0), "prompt_lengths": (torch.long, 0),
+    "env_reward": (torch.float32, 0.0), "env_turns": (torch.long, 0), "env_tool_calls": (torch.long, 0),
+    "env_tool_errors": (torch.long, 0), "env_failed": (torch.long, 0), "env_seconds": (torch.float32, 0.0)}
+"""An episode round's tensors beyond a single-turn round's (``prompt_ids`` padded with 0, as the runner's)."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,8 @@ class Round:
     pad_token_id: int
     rows: dict[str, torch.Tensor] | None = None
     """Received ahead of its turn (a later round was taken first)."""
+    episodes: bool = False
+    """Multi-turn episodes: its rows carry :data:`EPISODE_SPEC` too."""
 
 
 class RolloutLink(ServiceLink):
@@ -190,19 +205,23 @@ class RolloutLink(ServiceLink):
                 pass
 
     def issue(self, prompts: list[list[int]] | None, sampling: dict[str, Any], *, kind: str, num_prompts: int,
-              pad_token_id: int) -> None:
+              pad_token_id: int, rows: list[dict] | None = None) -> None:
         """Start one round: ``prompts`` (all of them, on the controller; None elsewhere) go to the
-        rollout pool, which generates ``sampling["n"]`` responses each when it gets there."""
+        rollout pool, which generates ``sampling["n"]`` responses each when it gets there. ``rows``
+        (episodes; a list on every actor rank, the round's data rows on the controller): each
+        prompt's data row, sent in the command (small dicts), and ``n`` episodes of each are played."""
         if self.max_in_flight is not None and len(self.rounds) >= self.max_in_flight:
             raise RuntimeError(f"RolloutLink.issue: {len(self.rounds)} rounds in flight already, the bound is "
                                f"{self.max_in_flight}: take one first")
-        self.command("generate", {"kind": kind, "num_prompts": num_prompts, "pad_token_id": pad_token_id, **sampling})
+        episodes = {} if rows is None else {"rows": rows}
+        self.command("generate", {"kind": kind, "num_prompts": num_prompts, "pad_token_id": pad_token_id, **sampling,
+                                  **episodes})
         if self.rank == CONTROLLER:
             assert prompts is not None and len(prompts) == num_prompts
             route = RowRoute(sources={CONTROLLER: (0, num_prompts)},
                              dests=self.routes.prompt_ranges(num_prompts, even=kind == "train"))
             self.hold(send_rows(route, pack_prompts(prompts), first_row=0, wait=False))
-        self.rounds.append(Round(kind, num_prompts, sampling["n"], pad_token_id))
+        self.rounds.append(Round(kind, num_prompts, sampling["n"], pad_token_id, episodes=rows is not None))
 
     def take(self, *, last: bool = False) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
         """The oldest round's rows for this actor rank (the newest with ``last``, the older ones
@@ -224,7 +243,7 @@ class RolloutLink(ServiceLink):
     def _receive(self, r: Round) -> dict[str, torch.Tensor]:
         prompt_ranges = self.routes.prompt_ranges(r.num_prompts, even=r.kind == "train")
         route = RowRoute(sources=self.routes.response_sources(prompt_ranges, r.n), dests=self._dests(r))
-        return recv_rows(route, response_spec(r.pad_token_id))
+        return recv_rows(route, response_spec(r.pad_token_id, episodes=r.episodes))
 
     def generate(self, prompts: list[list[int]] | None, sampling: dict[str, Any], *, kind: str,
                  num_prompts: int, pad_token_id: int) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
@@ -241,13 +260,15 @@ class RolloutServer(ServiceServer):
     ``stop`` or ``abort``."""
 
     def __init__(self, *, link: RolloutLink, engine: Any, replica: int, sleep_level: int, partial: bool = False,
-                 partial_chunk: int = 32, stage_weights: bool = False) -> None:
+                 partial_chunk: int = 32, stage_weights: bool = False, episodes: Any = None) -> None:
         """``replica``: this rank's rollout data-parallel rank (added to training seeds, as colocated);
         ``partial``: load weights that arrive during a training round and continue its responses
         under them, looking every ``partial_chunk`` decode steps (``rollout.partial``);
         ``stage_weights``: receive them then into a staging copy, loaded after the round
-        (``rollout.stage_weights``)."""
+        (``rollout.stage_weights``); ``episodes``: the run's episode runner
+        (:func:`spmd_rl.episodes.build.build_episode_runner`), which plays the rounds that carry data rows."""
         super().__init__(link)
+        self.episodes = episodes
         self.link: RolloutLink = link
         self.engine, self.replica, self.sleep_level = engine, replica, sleep_level
         self.partial, self.partial_chunk, self.stage_weights = partial, partial_chunk, stage_weights
@@ -363,20 +384,8 @@ class RolloutServer(ServiceServer):
         error = self.error
         if error is None and prompts:
             try:
-                start = time.perf_counter()
-                self.engine.wake_up()
-                self.versions = [self.version]
-                # weights may change mid-round only in training rounds: validation's are issued after the sync
-                hooks = self.hooks() if train else {}
-                out = self.engine.generate(prompts, n=n, temperature=p["temperature"], top_p=p["top_p"],
-                                           top_k=p["top_k"], max_new_tokens=p["max_new_tokens"],
-                                           seed=replica_seed(p["seed"], self.replica if train else 0), **hooks)
-                self.engine.sleep(self.sleep_level)
-                versions = (torch.tensor(self.versions)[out.weight_swaps] if out.weight_swaps is not None
-                            else torch.full(out.response_ids.shape, self.version, dtype=torch.long))
-                tensors = {"response_ids": out.response_ids.cpu(), "response_mask": out.response_mask.float().cpu(),
-                           "logprobs": out.logprobs.float().cpu(), "truncated": out.truncated.long().cpu(),
-                           "versions": versions, "gen_seconds": torch.full((len(prompts) * n,), time.perf_counter() - start)}
+                a, b = prompt_ranges[me]
+                tensors = self._play(p, prompts, p["rows"][a:b] if "rows" in p else None, train)
             except Exception as e:  # noqa: BLE001 - the actor ranks raise it
                 error = self.fail("generation", e)
             error = error or self.error  # weights that failed to load mid-round (rollout.partial)
@@ -385,6 +394,34 @@ class RolloutServer(ServiceServer):
         # Not waited for: the actor pool takes the rows when its schedule gets there.
         self.pending = settle(self.pending) + send_rows(route, tensors, first_row=first, error=error, wait=False)
 
+    def _play(self, p: dict[str, Any], prompts: list[list[int]], rows: list[dict] | None,
+              train: bool) -> dict[str, torch.Tensor]:
+        """This replica's rows of round ``p``: ``n`` responses to each of ``prompts``, or with data
+        ``rows`` ``n`` episodes of each, played by the episode runner (the seeds as on a colocated rollout)."""
+        start, n = time.perf_counter(), p["n"]
+        sampling = dict(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"],
+                        max_new_tokens=p["max_new_tokens"], seed=replica_seed(p["seed"], self.replica if train else 0))
+        self.engine.wake_up()
+        self.versions = [self.version]
+        if rows is not None:
+            if self.episodes is None:
+                raise RuntimeError("a round of episodes reached a rollout rank built without an episode runner")
+            # Weights wait for the round's end (plan() refuses rollout.partial with episodes): every token,
+            # the model's and the environment's between its turns, is of the weights held now.
+            out = self.episodes.run(self.engine, rows, n=n, sampling=sampling)
+            out["versions"] = torch.full(out["response_ids"].shape, self.version, dtype=torch.long)
+        else:
+            # weights may change mid-round only in training rounds: validation's are issued after the sync
+            g = self.engine.generate(prompts, n=n, **sampling, **(self.hooks() if train else {}))
+            out = {"response_ids": g.response_ids.cpu(), "response_mask": g.response_mask.float().cpu(),
+                   "logprobs": g.logprobs.float().cpu(), "truncated": g.truncated.long().cpu(),
+                   "versions": (torch.tensor(self.versions)[g.weight_swaps] if g.weight_swaps is not None
+                                else torch.full(g.response_ids.shape, self.version, dtype=torch.long))}
+        self.engine.sleep(self.sleep_level)
+        out["gen_seconds"] = torch.full((len(prompts) * n,), time.perf_counter() - start)
+        spec = response_spec(0, episodes=rows is not None)  # sent in the order the takers receive them
+        return {k: out[k].to(dtype) for k, (dtype, _) in spec.items()}
 
-__all__ = ["COMMANDS_KEY", "CONTROLLER", "WEIGHTS_KEY", "Round", "RolloutLink", "RolloutRoutes", "RolloutServer",
+
+__all__ = ["COMMANDS_KEY", "CONTROLLER", "EPISODE_SPEC", "WEIGHTS_KEY", "Round", "RolloutLink", "RolloutRoutes", "RolloutServer",
            "response_spec", "routes_of"]

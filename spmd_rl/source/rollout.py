@@ -9,8 +9,9 @@
 Colocated, each rollout data-parallel replica generates a contiguous share of the round's prompts
 (its tp x pp ranks the same rows), with the replica's seed; the rows are in the rollout's layout and
 a relayout moves them to the actor's; with episodes (``--env.*``) each response is a multi-turn
-episode (:mod:`spmd_rl.episodes.runner`). On a rollout pool the controller sends every prompt and the
-rows come back already in the actor's layout (:mod:`spmd_rl.rollout.pool`).
+episode (:mod:`spmd_rl.episodes.runner`). On a rollout pool the controller sends every prompt (with
+episodes, the round's data rows too: the pool's ranks play the episodes) and the rows come back
+already in the actor's layout (:mod:`spmd_rl.rollout.pool`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Episodes:
     """Multi-turn episodes instead of single responses (``--env.*``): the runner and the data rows
     (as dicts) its environments start from, training and held-out."""
 
-    runner: Any  # spmd_rl.episodes.runner.EpisodeRunner
+    runner: Any  # spmd_rl.episodes.runner.EpisodeRunner (None on a rollout pool's actor side: it plays there)
     train_rows: list[dict]
     val_rows: list[dict]
 
@@ -147,8 +148,11 @@ class LocalRollout:
 class PoolRollout:
     """The rollout pool, through this rank's end of its link (:class:`~spmd_rl.rollout.pool.RolloutLink`)."""
 
-    def __init__(self, link: Any, *, dtype: torch.dtype | None, is_controller: bool, pad_token_id: int) -> None:
+    def __init__(self, link: Any, *, dtype: torch.dtype | None, is_controller: bool, pad_token_id: int,
+                 episodes: Episodes | None = None) -> None:
+        """``episodes``: the data rows the pool's ranks play episodes from (its runner is theirs)."""
         self.link, self.dtype, self.is_controller, self.pad = link, dtype, is_controller, pad_token_id
+        self.episodes = episodes
         self.version = 0
 
     def sync(self, actor: Any, version: int) -> None:
@@ -160,9 +164,14 @@ class PoolRollout:
         self.version = version
 
     def issue(self, prompt_ids: list[list[int]], indices: list[int], sampling: dict, *, kind: str = "train") -> None:
-        """Start a round of ``indices`` without waiting for it (the controller sends the prompts)."""
+        """Start a round of ``indices`` without waiting for it (the controller sends the prompts, and
+        with episodes their data rows)."""
+        rows = None
+        if self.episodes is not None:
+            table = self.episodes.train_rows if kind == "train" else self.episodes.val_rows
+            rows = [table[i] for i in indices] if self.is_controller else []
         self.link.issue([prompt_ids[i] for i in indices] if self.is_controller else None, sampling, kind=kind,
-                        num_prompts=len(indices), pad_token_id=self.pad)
+                        num_prompts=len(indices), pad_token_id=self.pad, rows=rows)
 
     def generate(self, indices: list[int], prompt_ids: list[list[int]], sampling: dict) -> Rows:
         """One round, issued and taken: this actor rank's rows, in the actor's layout."""
@@ -176,7 +185,10 @@ class PoolRollout:
         self.issue(prompt_ids, list(range(len(prompt_ids))), sampling, kind="val")
         (start, end), out = self.link.take(last=True)
         mine = [row // sampling["n"] for row in range(start, end)]  # prompt-major, n per prompt
-        return Answers(mine, [prompt_ids[i] for i in mine], response_tokens(out["response_ids"], out["response_mask"]))
+        prompts = episode_prompts(out) if mine else None  # episodes: each its own prompt, its reward the score
+        return Answers(mine, prompts or [prompt_ids[i] for i in mine],
+                       response_tokens(out["response_ids"], out["response_mask"]),
+                       episode_rewards(out) if self.episodes is not None else None)
 
     def close(self, error: str | None = None) -> None:
         self.link.close(error)
