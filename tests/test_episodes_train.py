@@ -5,7 +5,9 @@
 * the loss mask: the environment's tokens get no gradient;
 * a user environment of a fixed number of turns under ``spmd_rl.train`` on 2 ranks: ``env/turns/mean``
   is that number and the score is the sum of its rewards; a failing environment stops the run with
-  its class and row, or is skipped under ``--reward.on-error skip``.
+  its class and row, or is skipped under ``--reward.on-error skip``;
+* the same episodes on a rollout pool (its ranks play them), synchronous and at max staleness 1,
+  validation scored by the episode rewards; streamed or partial rollouts refused there.
 """
 
 from __future__ import annotations
