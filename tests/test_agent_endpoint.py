@@ -2,7 +2,7 @@
 tiny random model: the ``openai`` client drives a 2-turn agent, its tokens are the episode's
 (the replies it read are the model's tokens decoded, the follow-up only appended) and the actor's
 log-probs of them equal the rollout's; bad requests get HTTP errors with a message while the round
-goes on; under ``spmd_rl.train`` the agent's episodes are trained on."""
+goes on; under ``spmd_rl.train`` the agent's episodes are trained on, colocated and on a rollout pool."""
 
 from __future__ import annotations
 
@@ -95,6 +95,18 @@ def test_an_agent_under_train(tmp_path) -> None:
     _check(launch(out, "--agent.fn", "support.agents:two_turns", "--env.max-tokens", "64",
                   "--rollout.max-new-tokens", "6", "--data.train-batch-size", "4", "--rollout.n", "2",
                   "--actor.ppo-mini-batch-size", "4", "--trainer.total-steps", "2"))
+    steps = [m for m in read_metrics(out) if "env/turns/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["env/turns/mean"] == 2 and abs(m["critic/score/mean"] - 0.5) < 1e-6
+
+
+def test_an_agent_on_a_rollout_pool(tmp_path) -> None:
+    """The endpoint is served by the rollout pool's rank, which plays the agent's episodes there."""
+    out = str(tmp_path / "run")
+    _check(launch(out, "--agent.fn", "support.agents:two_turns", "--env.max-tokens", "64",
+                  "--rollout.max-new-tokens", "6", "--data.train-batch-size", "4", "--rollout.n", "2",
+                  "--actor.ppo-mini-batch-size", "4", "--trainer.total-steps", "2", "--pools.rollout-ranks", "1"))
     steps = [m for m in read_metrics(out) if "env/turns/mean" in m]
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
