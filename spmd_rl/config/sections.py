@@ -492,15 +492,15 @@ class LoggingConfig:
     print_config: bool = False
     """Also print the whole resolved config at start. It is always written to
     `<output_dir>/config.yaml`, and one line names that file."""
+    debug: bool = False
+    """Print the traceback of an expected user error (a bad config, data file or reward function, an
+    output folder in use, a corrupt checkpoint) too; without it such an error ends the run with one
+    line from rank 0 and exit status 2 (docs/CHECKPOINTS.md)."""
 
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
     every: int = 0
-    debug: bool = False
-    """Print the traceback of an expected user error (a bad config, data file or reward function, an
-    output folder in use, a corrupt checkpoint) too; without it such an error ends the run with one
-    line from rank 0 and exit status 2 (docs/CHECKPOINTS.md)."""
     """Save every N steps (0 = only at the end)."""
     keep: int = 1
     """Keep the newest N checkpoints. One is enough to resume: a save is published (atomically)
@@ -510,11 +510,6 @@ class CheckpointConfig:
     """`auto` (continue from the newest complete checkpoint in the output dir), `never`, or a path."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
-
-    def __post_init__(self) -> None:
-        _check(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
-        _check(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
-
     every_s: float = 0.0
     """Also save when this many seconds passed since the last save (or the start), checked after
     every step by rank 0's clock and decided by all ranks together (0 = off). Bounds the work a
@@ -529,9 +524,9 @@ class CheckpointConfig:
     --from-checkpoint`, `spmd_rl.export`) but never continued. Such a checkpoint cannot resume a run
     (no optimizer, LR schedule, sampler or RNG state): a run that finds one refuses to start."""
 
-@dataclass(kw_only=True)
-class Config:
-    """GRPO / PPO-family RL for LLMs as one SPMD program. Start with `torchrun ... -m
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"checkpoint.every must be >= 0, got {self.every}")
+        _check(self.keep >= 1, f"checkpoint.keep must be >= 1, got {self.keep}")
         _check(math.isfinite(self.every_s) and self.every_s >= 0,
                f"checkpoint.every_s must be a number of seconds >= 0 (0 = off), got {self.every_s}")
         _check(not self.save_signal or _is_signal(self.save_signal),
@@ -546,6 +541,11 @@ def _is_signal(name: str) -> bool:
 
     text = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
     return text in signal.Signals.__members__ and text not in ("SIGKILL", "SIGSTOP")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """GRPO / PPO-family RL for LLMs as one SPMD program. Start with `torchrun ... -m
     spmd_rl.train [--config preset.yaml] [flags]`; flags override the YAML, which overrides the
     defaults."""
 
