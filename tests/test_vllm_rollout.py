@@ -242,7 +242,10 @@ def test_vllm_on_a_rollout_pool_of_its_own(tmp_path: Path) -> None:
         "--algo.rollout-is", "token_truncated", "--trainer.total-steps", "3", "--trainer.output-dir", str(out),
         "--actor.engine", "megatron", "--actor.megatron.tp", "2",
     ]
-    shm = lambda: {n for n in os.listdir("/dev/shm") if "cpushm" in n} if os.path.isdir("/dev/shm") else set()  # noqa: E731
+    # this run's segments carry its name (spmd_rl-<token>, VllmPoolGroups.ident); a vLLM run of another test
+    # file beside this one (pytest -n) names its own segments otherwise
+    shm = lambda: ({n for n in os.listdir("/dev/shm") if "cpushm" in n and n.startswith("spmd_rl-")}  # noqa: E731
+                   if os.path.isdir("/dev/shm") else set())
     before = shm()
     _run(_torchrun(4, os.path.join(HERE, "support", "vllm_pool_run.py"), *flags), _env(TAP_DIR=str(taps)))
     assert shm() <= before, f"vLLM's CPU shared memory left behind: {sorted(shm() - before)}"  # the next run's would clash
