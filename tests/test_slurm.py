@@ -27,7 +27,9 @@ from spmd_rl.distributed.testing import cpu_env, free_port
 from support.launchers import STEPS, metric_steps, rank_table, short_run
 
 CLUSTER = os.path.join(HERE, "support", "slurm_cluster.sh")
-TIMEOUT_S = 300
+TIMEOUT_S = 600
+"""A hang guard per sbatch --wait, not a speed check: a requeued job runs twice, on a 2-core machine busy with
+the rest of the suite."""
 
 
 @dataclass
