@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             env.shutdown()
     return run_trainer(cfg, env, groups, run_plan, watchdog)
 
+
 def run_trainer(cfg: Config, env: DistEnv, groups: RunGroups, run_plan: Any, watchdog: NullWatchdog) -> int:
     """A trainer rank's loop and its end: 0, :data:`~spmd_rl.distributed.process.PREEMPTED` after a save
     on a stop signal, 2 after an expected user error (:func:`user_error`); any other error is raised.
