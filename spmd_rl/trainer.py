@@ -362,7 +362,7 @@ class Trainer:
     def update(self, batch: RolloutBatch, acc: MetricAccumulator) -> None:
         """The actor's optimizer steps on the batch (:class:`~spmd_rl.actor.ActorUpdate`); a new policy version."""
         self.actor_update(batch, acc)
-        self.actor.offload()  # params / optimizer state to CPU if configured (no-op on CPU runs)
+        self.actor.offload()  # params / optimizer state to host memory if configured; on CPU runs the gradients go
         self.policy_version += 1
 
     # ================================================================== metrics, validation
