@@ -85,8 +85,8 @@ class FSDPOffload:
 
     def offload(self) -> None:
         """Between phases: sharded parameters (and gradients) to CPU when ``param_offload``,
-        optimizer state to CPU when ``optimizer_offload``. A no-op on CPU runs, where everything
-        already lives in host memory. Idempotent.
+        optimizer state to CPU when ``optimizer_offload`` (on CPU runs everything lives in host memory
+        already: see the end). Idempotent.
 
         torch's allocator returns its cached blocks to the driver only when something moved: after
         every phase that would cost a small model's step a visible share of its time plus the next
