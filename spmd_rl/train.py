@@ -65,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         load_config(argv)  # prints the flags and exits, before torch is imported (below)
     if console.main_rank():  # the status line: what the run does from its first second, on a ticking clock
         console.start().phase("importing torch")
-    from spmd_rl.compiled import use_compile_cache
     from spmd_rl.distributed.env import DistEnv
-    from spmd_rl.distributed.watchdog import install, start_watchdog
     from spmd_rl.metrics import setup_logging
 
     env = DistEnv.from_environ()
@@ -86,6 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         console.close()
         print(f"spmd_rl.train: invalid configuration{where}: {e}", file=sys.stderr, flush=True)
         return 2
+    try:
+        return start_run(cfg, env, run_plan, torchrun=torchrun)
+    except BaseException:
+        console.close()  # the status line stops ticking: a traceback goes below it
+        raise
+
+
+def start_run(cfg: Config, env: DistEnv, run_plan: Any, *, torchrun: bool) -> int:
+    """A checked configuration: join the world, build the groups, then serve a pool or train."""
+    from spmd_rl.compiled import use_compile_cache
+    from spmd_rl.distributed.watchdog import install, start_watchdog
+
     if cfg.checkpoint.save_signal:  # the early warning (Slurm's --signal=USR1@120) too
         catch_stop_signals(("SIGTERM", "SIGINT", cfg.checkpoint.save_signal), parent_pid=_PARENT_PID if torchrun else None)
     from spmd_rl.models.builtin import cache_root

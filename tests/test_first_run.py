@@ -207,6 +207,9 @@ def test_train_sets_the_compile_cache_before_the_world_starts(tmp_path, monkeypa
         train.main(["--model.cache-dir", str(tmp_path / "cache"), "--logging.wandb", "off"])
     folder = cache_root(str(tmp_path / "cache")) / "compile"
     assert seen == {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(folder / "triton")}
+    from spmd_rl import console
+
+    assert console.current() is None  # a failure to join the world stopped the status line's clock
 
 
 # --------------------------------------------------------------------------- --help: each default once
