@@ -1,7 +1,8 @@
 """Multi-turn episodes through the trainer's own pieces (CPU, gloo, a tiny random model).
 
 * token-in / token-out: a 3-turn episode's tokens are the rollout's exactly, and the actor's fp32
-  log-probs of the model's tokens (packed and padded layouts) equal the rollout's within 1e-5;
+  log-probs of the model's tokens (packed and padded layouts) equal the rollout's within 1e-5, turns 2
+  and 3 continuing from the K/V the turn before left parked;
 * the loss mask: the environment's tokens get no gradient;
 * a user environment of a fixed number of turns under ``spmd_rl.train`` on 2 ranks: ``env/turns/mean``
   is that number and the score is the sum of its rewards; a failing environment stops the run with
@@ -41,7 +42,7 @@ def _episode_and_logprobs(rank: int, world_size: int) -> dict:
     out = runner.run(engine, [{"answer": "7"}, {"answer": "12"}], n=2,
                      sampling=dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=5))
     logprobs = {packed: actor_logprobs(out, folder, pad, packed=packed) for packed in (True, False)}
-    return {"out": out, "logprobs": logprobs, "texts": [tok.decode(p + r[: int((m + c).sum())].tolist())
+    return {"out": out, "logprobs": logprobs, "reused": engine.reused_tokens, "texts": [tok.decode(p + r[: int((m + c).sum())].tolist())
             for p, r, m, c in zip(episode_prompts(out), out["response_ids"], out["response_mask"], out["context_mask"])]}
 
 
@@ -57,6 +58,7 @@ def test_three_turn_episodes_are_token_exact_and_the_actor_agrees() -> None:
         assert row[:n].eq(1).all() and row[n:].eq(0).all()
     for text in got["texts"]:  # the environment's messages sit between the model's turns
         assert text.count("Go on.") == 2 and "Say something about" in text
+    assert got["reused"] > 0  # turns 2 and 3 continued from the parked K/V of the turns before
     for packed, logprobs in got["logprobs"].items():
         gap = ((logprobs - out["logprobs"]).abs() * model).max().item()
         assert gap < 1e-5, f"packed={packed}: the actor's log-probs differ from the rollout's by {gap}"

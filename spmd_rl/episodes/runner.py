@@ -9,7 +9,9 @@ environment's steps and tool calls on worker threads beside it.
 Each data row plays ``n`` episodes (prompt-major, as a round's responses are). An episode starts from
 its environment's ``reset(row)`` messages; each model turn is streamed by the engine
 (:meth:`~spmd_rl.rollout.native.NativeRollout.stream`: a finished turn frees its slot for another
-episode's) and handed to a worker thread, which runs the turn's tool calls (``env.tools``) or the
+episode's, and its K/V stays parked there until another row needs the slot, so that the episode's
+next turn prefills only the environment's new tokens: :mod:`spmd_rl.rollout.prefixes`) and handed to a
+worker thread, which runs the turn's tool calls (``env.tools``) or the
 environment's ``step``, and tokenizes what comes back (:class:`~spmd_rl.episodes.framing.TurnFraming`);
 the episode then waits for its next turn, while the others go on. The episode ends when the
 environment says done, after ``env.max_turns`` model turns, or when its tokens after the prompt
@@ -62,8 +64,9 @@ class EpisodeRunner:
 
     def __init__(self, make_env: Callable[[], Env], *, framing: TurnFraming, tokenizer: Any, max_turns: int,
                  max_tokens: int, tools: dict[str, Tool] | None, workers: int, skip_errors: bool,
-                 tools_as_user: bool = True) -> None:
+                 tools_as_user: bool = True, reuse_prefixes: bool = True) -> None:
         self.make_env, self.framing, self.tokenizer = make_env, framing, tokenizer
+        self.reuse_prefixes = reuse_prefixes  # an episode's next turn prefills only its new tokens
         self.max_turns, self.max_tokens, self.tools = max_turns, max_tokens, tools
         self.workers, self.skip_errors, self.tools_as_user = workers, skip_errors, tools_as_user
 
@@ -71,10 +74,15 @@ class EpisodeRunner:
     def run(self, engine: Any, rows: list[dict], *, n: int, sampling: dict) -> dict[str, torch.Tensor]:
         """``n`` episodes of every row (prompt-major); the round's rows (module docstring)."""
         episodes = [Episode(row=dict(row), env=self.make_env()) for row in rows for _ in range(n)]
-        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="spmd_rl-env") as pool:
-            for e, prompt in zip(episodes, pool.map(self._reset, episodes)):
-                e.prompt = prompt
-            self._play(engine, episodes, pool, sampling)
+        forget = getattr(engine, "forget_prefixes", lambda: None)
+        forget()  # the keys below are this round's episodes
+        try:
+            with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="spmd_rl-env") as pool:
+                for e, prompt in zip(episodes, pool.map(self._reset, episodes)):
+                    e.prompt = prompt
+                self._play(engine, episodes, pool, sampling)
+        finally:
+            forget()
         return episode_rows(episodes)
 
     def _play(self, engine: Any, episodes: list[Episode], pool: ThreadPoolExecutor, sampling: dict) -> None:
@@ -106,7 +114,7 @@ class EpisodeRunner:
                 continue
             engine.stream(feed=feed, done=done, max_prompt_length=longest, temperature=sampling["temperature"],
                           top_p=sampling["top_p"], top_k=sampling["top_k"], max_new_tokens=sampling["max_new_tokens"],
-                          seed=sampling["seed"] + 7919 * calls)
+                          seed=sampling["seed"] + 7919 * calls, keep_prefixes=self.reuse_prefixes)
             calls += 1
 
     # ------------------------------------------------------------------ worker threads

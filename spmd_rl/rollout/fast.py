@@ -80,8 +80,8 @@ from .layers import (
     ACTIVATIONS, Fused, dense_mlp, grouped_mm_works, layer_functions, moe_mlp, norm_eps, rms_norm, rope_types, storing,
     unsupported_reason,
 )
+from .prefixes import PrefixCache
 from .sampling import filter_logits, inverse_cdf
-from .slots import SlotCache
 
 # SDPA kernels the path may use: masked attention runs the memory-efficient kernel on CUDA (flash takes
 # no mask) and the fused CPU kernel on CPU; a known, graph-capturable choice on every torch version.
@@ -96,7 +96,7 @@ def batch_buckets(max_batch: int) -> list[int]:
     return buckets + [max_batch]
 
 
-class FastDecoder(SlotCache):
+class FastDecoder(PrefixCache):
     """Static-cache, graph-captured decoding over a HF model of a supported family (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_batch: int, pad_token_id: int,
@@ -135,6 +135,7 @@ class FastDecoder(SlotCache):
         self.refill_fraction = 1 / 16
         # bytes the cache and buffers may take; None = what the device has free (CUDA), no check on CPU
         self.memory_budget: int | None = None
+        self._init_prefixes()  # what finished rows leave parked for their next turn (keep_prefixes streams)
 
     def _read_shape(self, model: torch.nn.Module) -> None:
         """The model's shape as the decode step needs it: heads, head size, vocabulary, family, each

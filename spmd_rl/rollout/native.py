@@ -219,10 +219,13 @@ class NativeRollout:
     @torch.no_grad()
     def stream(self, *, feed: Feed, done: Done, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
                max_prompt_length: int, seed: int, swap: Callable[[], bool] | None = None, swap_every: int = 32,
-               look: Callable[[], None] | None = None) -> int:
+               look: Callable[[], None] | None = None, keep_prefixes: bool = False) -> int:
         """Generate rows as ``feed`` gives them and hand each to ``done`` as it finishes, until the feed
         is dry and no row is live (:mod:`spmd_rl.rollout.stream`); returns the weight swaps made.
-        ``swap`` and ``look`` as in :meth:`generate`."""
+        ``swap`` and ``look`` as in :meth:`generate`. ``keep_prefixes``: on the fast path a finished
+        row's K/V stays parked under its key until its slot is needed, and a row fed again under that
+        key that extends it prefills only its new tokens (:mod:`spmd_rl.rollout.prefixes`; multi-turn
+        episodes, whose keys are episodes); :meth:`forget_prefixes` when the keys are done."""
         check_sampling_args([[0]], n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
         self._check_awake("stream")
         if self.max_positions is not None and max_prompt_length + max_new_tokens > self.max_positions:
@@ -234,7 +237,17 @@ class NativeRollout:
                               min_new_tokens=self.min_new_tokens, token_delay_s=self.token_delay_s)
         return run_stream(engine, feed=feed, done=done, temperature=temperature, top_p=top_p, top_k=top_k,
                           max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length, seed=seed, swap=swap,
-                          swap_every=swap_every, look=look)
+                          swap_every=swap_every, look=look, keep_prefixes=keep_prefixes)
+
+    def forget_prefixes(self) -> None:
+        """Reuse nothing parked by earlier ``keep_prefixes`` streams (their keys are done)."""
+        if self._fast is not None:
+            self._fast.forget_prefixes()
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens that ``keep_prefixes`` streams did not prefill again (0 without the fast path)."""
+        return self._fast.reused_tokens if self._fast is not None else 0
 
     def _generate_piece(
         self, rows: list[list[int]], *, limits: list[int] | None, max_new_tokens: int,
@@ -384,6 +397,7 @@ class NativeRollout:
         (or both); they are the same tensor here.
         """
         self._restore_storages()
+        self.forget_prefixes()  # K/V of the old weights
         with torch.no_grad():
             for name, tensor in named_tensors:
                 target = self._targets.get(name)

@@ -1,7 +1,8 @@
 """The fast decoder's slot-based KV cache: its memory check and allocation, and the state of its
 slots during a call (the call's start, queued rows prefilled into free slots, compaction).
 
-    class FastDecoder(SlotCache): ...       # spmd_rl.rollout.fast: the decoder is a SlotCache
+    class FastDecoder(PrefixCache): ...     # spmd_rl.rollout.fast: the decoder is a SlotCache
+                                            # (PrefixCache, spmd_rl.rollout.prefixes, adds parked prefixes)
     fast.memory_needed(rows=64, slots=4224, out_rows=128)   # {"kv": ..., "buffers": ..., "transient": ...}
     fast.release(); fast.restore()          # rollout sleep: free the cache and graphs, reallocate
     rows = SlotStream(fast, feed=feed, finish=finish, ...)   # a stream's rows over the slots (rollout.stream)
@@ -241,8 +242,10 @@ class SlotStream:
 
     def __init__(self, fast: SlotCache, *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
                  finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None], max_new_tokens: int,
-                 slots: int, eos: torch.Tensor) -> None:
+                 slots: int, eos: torch.Tensor, keep_prefixes: bool = False) -> None:
         self.fast, self.feed, self.finish, self.max_new_tokens, self.eos = fast, feed, finish, max_new_tokens, eos
+        # finished rows parked by key, and rows that extend them resumed (spmd_rl.rollout.prefixes)
+        self.keep = keep_prefixes and getattr(fast, "can_park", False)
         self.cap = fast.buckets[-1]
         handles = 2 * self.cap  # output rows: a finished row's is free once finish() copied it
         fast._ensure_cache(self.cap, slots, handles)
@@ -273,8 +276,26 @@ class SlotStream:
             self.queue[:0] = taken[::-1]
 
     def fill(self, free_slots: list[int]) -> int:
-        """Queued rows prefilled into ``free_slots``; returns the highest write slot."""
-        return self.fast._fill(free_slots, self.queue, self.prompts, self.limits)
+        """Queued rows prefilled into ``free_slots`` (as many as both have, the queue's first); returns
+        the highest write slot. Keeping prefixes, a row that extends its parked prefix goes back to its
+        slot and prefills only its new tokens; the others take empty slots first."""
+        if not self.keep:
+            return self.fast._fill(free_slots, self.queue, self.prompts, self.limits)
+        fast, free = self.fast, set(free_slots)
+        taken = [self.queue.pop() for _ in range(min(len(free_slots), len(self.queue)))]
+        resumed, fresh = [], []
+        for h in taken:
+            r = fast.resumable(self.keys[h], h, self.prompts[h], free)
+            if r is None:
+                fresh.append(h)
+            else:
+                resumed.append(r)
+                free.discard(r.parked.slot)
+        top = fast._extend(resumed, self.limits) if resumed else 0
+        if fresh:
+            slots = fast.slot_order([s for s in free_slots if s in free])
+            top = max(top, fast._fill(slots, fresh[::-1], self.prompts, self.limits))
+        return top
 
     def _outputs(self, handles: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The tokens and log-probs so far of the rows in ``handles``, on the host."""
@@ -284,10 +305,17 @@ class SlotStream:
         lengths = [int(mask[i].sum()) for i in range(len(handles))]
         return [(tok[i, :n].clone(), lp[i, :n].clone()) for i, n in enumerate(lengths)]
 
-    def harvest(self, handles: list[int]) -> None:
-        """Finished rows to ``finish``; their handles become free."""
+    def harvest(self, handles: list[int], slots: list[tuple[int, int, int]] | None = None) -> None:
+        """Finished rows to ``finish``; their handles become free. ``slots``: each row's ``(slot, pad,
+        write slot)``, to park it (keeping prefixes): its K/V holds its prompt and all its tokens but the
+        last."""
         eos_ids = set(self.eos.tolist())
-        for h, (tokens, logprobs) in zip(handles, self._outputs(handles)):
+        for i, (h, (tokens, logprobs)) in enumerate(zip(handles, self._outputs(handles))):
+            if slots is not None and len(tokens):
+                slot, pad, wpos = slots[i]
+                ids = self.prompts[h] + tokens[:-1].tolist()
+                if wpos - pad == len(ids):  # always, for a row that finished in its slot
+                    self.fast.park(self.keys[h], slot, pad, ids)
             self.finish(self.keys[h], tokens, logprobs, len(tokens) == 0 or int(tokens[-1]) not in eos_ids)
             self.keys[h] = None
         self.free.extend(handles)
@@ -300,7 +328,12 @@ class SlotStream:
         finished, row_of, top = state[:cur], state[cur:2 * cur], state[-1]
         ended = [s for s in range(cur) if finished[s] and row_of[s] != spare]
         if ended:
-            self.harvest([row_of[s] for s in ended])
+            where = None
+            if self.keep:
+                at = torch.tensor(ended, device=fast.device)
+                pads, ends = torch.stack([fast._pad[at], fast._wpos[at]]).tolist()
+                where = list(zip(ended, pads, ends))
+            self.harvest([row_of[s] for s in ended], where)
             fast._row_of[torch.tensor(ended, device=fast.device)] = spare
         return finished, row_of, top
 

@@ -87,7 +87,7 @@ class _Row:
 
 def run_stream(engine: StreamEngine, *, feed: Feed, done: Done, temperature: float, top_p: float, top_k: int,
                max_new_tokens: int, max_prompt_length: int, seed: int, swap: Callable[[], bool] | None = None,
-               swap_every: int = 32, look: Callable[[], None] | None = None) -> int:
+               swap_every: int = 32, look: Callable[[], None] | None = None, keep_prefixes: bool = False) -> int:
     """The engine-level stream (see the module docstring); returns how many weight swaps happened."""
     generator = torch.Generator(device=engine.device).manual_seed(seed)
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": generator}
@@ -142,7 +142,8 @@ def run_stream(engine: StreamEngine, *, feed: Feed, done: Done, temperature: flo
     while True:
         if engine.fast is not None:
             live = stream_decode(engine.fast, feed=feed_rows, finish=finish, max_new_tokens=max_new_tokens,
-                                 slots=slots, eos=engine.eos, interrupt=hook, **sampling)
+                                 slots=slots, eos=engine.eos, interrupt=hook, keep_prefixes=keep_prefixes,
+                                 **sampling)
         else:
             live = _stream_waves(engine, feed=feed_rows, finish=finish, interrupt=hook, fired=fired, **sampling)
         if live is None:  # the feed is dry and no row is live
@@ -157,19 +158,22 @@ def run_stream(engine: StreamEngine, *, feed: Feed, done: Done, temperature: flo
 def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
                   finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None], temperature: float,
                   top_k: int, top_p: float, max_new_tokens: int, slots: int, generator: torch.Generator,
-                  eos: torch.Tensor, interrupt: Callable[[int], bool] | None = None,
+                  eos: torch.Tensor, interrupt: Callable[[int], bool] | None = None, keep_prefixes: bool = False,
                   ) -> list[tuple[Hashable, torch.Tensor, torch.Tensor]] | None:
     """The fast path's stream: ``feed(k)`` gives ``(key, prompt ids, most new tokens)`` rows,
     ``finish(key, tokens, logprobs, truncated)`` takes each finished one. Returns None when the feed
     is dry and no row is live, or, when ``interrupt(steps)`` said stop, the rows not finished:
-    ``(key, tokens so far, logprobs)`` (queued ones with none)."""
-    rows = SlotStream(fast, feed=feed, finish=finish, max_new_tokens=max_new_tokens, slots=slots, eos=eos)
+    ``(key, tokens so far, logprobs)`` (queued ones with none). ``keep_prefixes``: finished rows stay
+    parked by key, and a row fed again that extends its prefix prefills only its new tokens
+    (:mod:`spmd_rl.rollout.prefixes`)."""
+    rows = SlotStream(fast, feed=feed, finish=finish, max_new_tokens=max_new_tokens, slots=slots, eos=eos,
+                      keep_prefixes=keep_prefixes)
     spare = rows.start(temperature=temperature)
     cur = rows.cap
     rows.pull(cur)
     if not rows.queue:
         return None
-    top = rows.fill(list(range(min(cur, len(rows.queue)))))
+    top = rows.fill(list(range(cur)))
     mode = fast.mode(temperature=temperature, top_k=top_k, top_p=top_p)
     span = fast.span(top + fast.check_every + 1)
     step = 0
@@ -189,7 +193,7 @@ def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hasha
             cur = rows.grow(cur, n_live, finished, spare)
         free_slots = [s for s in range(cur) if finished[s]]
         if rows.queue and (n_live == 0 or len(free_slots) >= max(1, int(cur * fast.refill_fraction))):
-            top = max(top, rows.fill(free_slots[:len(rows.queue)]))
+            top = max(top, rows.fill(free_slots))
             fast.refills += 1
         elif not rows.queue and n_live == 0:
             return None

@@ -1,0 +1,190 @@
+"""Prefix reuse across a stream's turns: a finished row's K/V stays in its cache row (parked) until
+another row needs that slot, and a row fed again under the same key whose tokens extend what is
+parked is prefilled from there on, not from its first token (multi-turn episodes,
+:mod:`spmd_rl.episodes.runner`).
+
+    fast.stream(..., keep_prefixes=True)  # via NativeRollout.stream: finished rows are parked by key
+    fast.reused_tokens                     # prompt tokens not prefilled again (a parked prefix's)
+    fast.forget_prefixes()                 # new weights, or the end of a round: nothing is reused
+
+What a parked slot holds: a row that finished wrote the K/V of its prompt and of every token it
+sampled but the last (the last one is never fed back), from its padding on: the prompt + all tokens
+but the last, ``wpos - pad`` of them. A parked slot is a free slot: a new row takes an empty slot
+first, then the longest-parked one, which evicts it. A fill, a compaction that moves live rows over
+it, a new cache and :meth:`PrefixCache.forget_prefixes` (new weights) drop what is parked there.
+
+The extension (:meth:`PrefixCache._extend`) runs the new tokens of each resumed row at the slots after
+its parked prefix, attending to the prefix and causally to themselves (right-padded to the group's
+longest; padding writes no K/V), and leaves the last token's logits for the first sample, exactly
+where a prefill of the whole row would have left them. Models with sliding-window layers (their ring
+cache keeps only the window) always prefill whole rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+import torch.nn.functional as F
+
+from .slots import SlotCache
+
+
+@dataclass
+class Parked:
+    """A finished row's K/V left in cache row ``slot``: ``ids`` from slot ``pad`` on."""
+
+    slot: int
+    pad: int
+    ids: list[int]
+
+
+@dataclass
+class Resumed:
+    """A row fed again that extends its parked prefix: ``suffix`` goes after it, in the same slot."""
+
+    key: Hashable
+    handle: int
+    parked: Parked
+    suffix: list[int]
+
+
+class PrefixCache(SlotCache):
+    """The decoder's slot cache with parked prefixes (module docstring); the base of
+    :class:`~spmd_rl.rollout.fast.FastDecoder`, which provides the layer functions ``_extend`` runs."""
+
+    parked: dict[Hashable, Parked]
+    reused_tokens: int
+
+    def _init_prefixes(self) -> None:
+        self.parked = {}  # key -> its parked prefix, oldest first
+        self.reused_tokens = 0
+
+    @property
+    def can_park(self) -> bool:
+        """Whether prefixes can be kept: not with sliding-window layers (their ring keeps only the window)."""
+        return self.window is None
+
+    def forget_prefixes(self) -> None:
+        """Nothing parked is reused (new weights, or the caller's rows are done)."""
+        self.parked = {}
+
+    def park(self, key: Hashable, slot: int, pad: int, ids: list[int]) -> None:
+        """Keep ``key``'s finished row in ``slot`` (the newest parked)."""
+        self._drop_slots({slot})
+        self.parked.pop(key, None)
+        self.parked[key] = Parked(slot, pad, ids)
+
+    def resumable(self, key: Hashable, handle: int, ids: list[int], free: set[int]) -> Resumed | None:
+        """Output row ``handle`` (``key``, ``ids``) resumed from its parked prefix when ``ids`` extends it
+        by at least one token and its slot is in ``free``; else None, and a parked prefix that ``ids``
+        does not extend is dropped."""
+        p = self.parked.get(key)
+        if p is None or p.slot not in free:
+            return None
+        if len(p.ids) < len(ids) and ids[:len(p.ids)] == p.ids:
+            return Resumed(key, handle, p, ids[len(p.ids):])
+        del self.parked[key]
+        return None
+
+    def slot_order(self, slots: list[int]) -> list[int]:
+        """``slots`` as a new row should take them: empty ones first (in the order given), then parked
+        ones, the longest-parked first."""
+        age = {p.slot: i for i, p in enumerate(self.parked.values())}
+        return sorted(slots, key=lambda s: age.get(s, -1))
+
+    def _drop_slots(self, slots: set[int]) -> None:
+        if slots and self.parked:
+            self.parked = {k: p for k, p in self.parked.items() if p.slot not in slots}
+
+    # ------------------------------------------------------------------ SlotCache's hooks
+    def release(self) -> None:
+        super().release()
+        self.forget_prefixes()
+
+    def _allocate(self, rows: int, slots: int, out_rows: int) -> None:
+        super()._allocate(rows, slots, out_rows)
+        self.forget_prefixes()
+
+    def _start_call(self, *, temperature: float, eos: torch.Tensor) -> int:
+        """As :meth:`SlotCache._start_call`; a parked slot keeps writing (as a spare) past its prefix."""
+        spare = super()._start_call(temperature=temperature, eos=eos)
+        if self.parked:
+            slot, pad, length = (torch.tensor(v, device=self.device) for v in zip(
+                *[(p.slot, p.pad, p.pad + len(p.ids)) for p in self.parked.values()]))
+            self._pad[slot], self._wpos[slot], self._pos[slot] = pad, length, length - pad
+        return spare
+
+    def _fill(self, slots: list[int], queue: list[int], rows: list[list[int]], limits: list[int]) -> int:
+        self._drop_slots(set(slots[:len(queue)]))
+        return super()._fill(slots, queue, rows, limits)
+
+    def _compact(self, cur: int, *, spare: int) -> int:
+        live = int((~self._finished[:cur]).sum())
+        self._drop_slots(set(range(live)))  # the live rows move over slots 0..live-1
+        return super()._compact(cur, spare=spare)
+
+    # ------------------------------------------------------------------ the extension
+    @torch.no_grad()
+    def _extend(self, resumed: list[Resumed], limits: list[int]) -> int:
+        """Prefill each resumed row's suffix after its parked prefix (module docstring), in groups of at
+        most ``prefill_tokens`` tokens; returns the highest slot a resumed row writes next."""
+        top, start = 0, 0
+        resumed = sorted(resumed, key=lambda r: len(r.suffix))
+        while start < len(resumed):
+            size = max(1, self.prefill_tokens // len(resumed[start].suffix))
+            group = resumed[start:start + size]
+            while len(group) > 1 and len(group) * len(group[-1].suffix) > self.prefill_tokens:
+                group.pop()
+            top = max(top, self._extend_group(group, limits))
+            start += len(group)
+        for r in resumed:  # live again: no longer parked
+            del self.parked[r.key]
+            self.reused_tokens += len(r.parked.ids)
+        return top
+
+    def _extend_group(self, group: list[Resumed], limits: list[int]) -> int:
+        dev, b, width = self.device, len(group), max(len(r.suffix) for r in group)
+        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        for i, r in enumerate(group):
+            ids[i, :len(r.suffix)] = torch.tensor(r.suffix, dtype=torch.long)
+        ids = ids.to(dev)
+        n = torch.tensor([len(r.suffix) for r in group], device=dev)
+        first = torch.tensor([r.parked.pad + len(r.parked.ids) for r in group], device=dev)
+        pad = torch.tensor([r.parked.pad for r in group], device=dev)
+        dest = torch.tensor([r.parked.slot for r in group], device=dev)
+        j = self._slots[:width]
+        at = first[:, None] + j[None]  # each query's slot [b, width]
+        valid = j[None] < n[:, None]
+        span = int((first + n).max())
+        keys = self._slots[:span]
+        allowed = (keys[None, None] >= pad[:, None, None]) & (keys[None, None] <= at[:, :, None])  # [b, width, span]
+        x = self.inner.embed_tokens(ids)
+        bias = torch.zeros(allowed.shape, dtype=x.dtype, device=dev).masked_fill_(~allowed, float("-inf"))[:, None]
+        pos = (at - pad[:, None]).clamp(max=self._slots.numel() - 1)
+        tables = [(self._cos[t][pos][:, :, None], self._sin[t][pos][:, :, None]) for t in range(len(self.rope_keys))]
+        write = (dest[:, None].expand(b, width)[valid], at[valid])  # the real tokens' (cache row, slot)
+        for i in range(len(self.layers)):
+            cos, sin = tables[self.rope_of[i]]
+            qk, v = self._in(i, x, cos, sin, self.attn_in)  # [b, width, H + Hkv, D], [b, width, Hkv, D]
+            q, k = qk[:, :, :self.heads], qk[:, :, self.heads:]
+            kv = self._kv(i)
+            kv[0][write] = k[valid]
+            kv[1][write] = v[valid]
+            k, v = kv[0][dest, :span].transpose(1, 2), kv[1][dest, :span].transpose(1, 2)  # [b, Hkv, span, D]
+            if self.group > 1:
+                k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias, scale=self.scaling)
+            x = self._out(i, x, o.transpose(1, 2).reshape(b, width, self.heads * self.head_dim), self.attn_out)
+        scaled = self._logits(x[torch.arange(b, device=dev), n - 1]).float().div_(self._temp)
+        self._scaled[dest] = scaled
+        self._lse[dest] = torch.logsumexp(scaled, dim=-1)
+        self._pad[dest], self._wpos[dest], self._pos[dest], self._ncol[dest] = pad, first + n, first + n - pad, 0
+        self._limit[dest] = torch.tensor([limits[r.handle] for r in group], dtype=torch.long, device=dev)
+        self._row_of[dest] = torch.tensor([r.handle for r in group], dtype=torch.long, device=dev)
+        self._finished[dest] = False
+        return int((first + n).max())
+
+
+__all__ = ["Parked", "PrefixCache", "Resumed"]

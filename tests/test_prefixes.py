@@ -1,0 +1,108 @@
+"""Prefix reuse across turns (spmd_rl/rollout/prefixes.py; CPU, fp32, tiny random models).
+
+Rows are played as multi-turn episodes on one stream: each finished row is fed again under its key
+with its tokens and a few "environment" tokens appended, three turns each. With ``keep_prefixes`` a
+turn continues from the K/V its previous turn left parked; the greedy tokens must equal those of the
+same episodes prefilled whole every turn, the log-probs within 1e-5, with an EOS that ends rows at
+different steps (refills and compactions evict parked slots), with fewer slots than episodes, and on
+a sliding-window model (which never parks). New weights drop what is parked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_rollout_fast import VOCAB, build, early_eos, engine, greedy, random_prompts, responses
+
+TURNS = 3
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("prefix_models")
+
+
+def env_tokens(key: int, turn: int) -> list[int]:
+    """What the "environment" answers episode ``key`` after its turn ``turn``: a few fixed token ids."""
+    gen = torch.Generator().manual_seed(100 * key + turn)
+    return torch.randint(3, VOCAB, (2 + (key + turn) % 4,), generator=gen).tolist()
+
+
+def play(e, prompts: list[list[int]], *, keep: bool, max_new_tokens: int = 6) -> dict[int, list]:
+    """Every prompt as a ``TURNS``-turn episode on ``e``'s stream, greedy; ``{key: [(tokens, logprobs)
+    per turn]}``."""
+    ids = {k: list(p) for k, p in enumerate(prompts)}
+    pending = list(ids)
+    turns: dict[int, list] = {k: [] for k in ids}
+
+    def feed(k: int):
+        taken, pending[:] = pending[:k], pending[k:]
+        return [(key, ids[key]) for key in taken]
+
+    def done(key, tokens, logprobs, swaps, truncated):
+        turns[key].append((tokens.tolist(), logprobs.clone()))
+        if len(turns[key]) < TURNS:
+            ids[key] += tokens.tolist() + env_tokens(key, len(turns[key]))
+            pending.append(key)
+
+    longest = max(len(p) for p in prompts) + TURNS * (max_new_tokens + 6)
+    while pending:
+        e.stream(feed=feed, done=done, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
+                 max_prompt_length=longest, seed=0, keep_prefixes=keep)
+    return turns
+
+
+def same_episodes(got: dict, ref: dict) -> None:
+    for key in ref:
+        assert [t for t, _ in got[key]] == [t for t, _ in ref[key]], f"episode {key}: tokens differ"
+        for turn, ((_, a), (_, b)) in enumerate(zip(got[key], ref[key])):
+            gap = (a - b).abs().max().item()
+            assert gap < 1e-5, f"episode {key}, turn {turn}: log-probs differ by {gap}"
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen3-gqa-qknorm"])
+def test_turns_continue_from_the_parked_prefix_and_equal_whole_prefills(root: Path, name: str) -> None:
+    folder = build(root, name)
+    prompts = random_prompts([5, 11, 3, 8], seed=4)
+    eos = early_eos(responses(greedy(engine(folder, fast=False), prompts)))  # rows end at different steps
+    ref = play(engine(folder, eos=eos), prompts, keep=False)
+    e = engine(folder, eos=eos)
+    got = play(e, prompts, keep=True)
+    same_episodes(got, ref)
+    fast = e._fast
+    # turns 2 and 3 of every episode that kept its slot reused the whole turn before it
+    assert e.reused_tokens > 0 and fast.compactions + fast.refills > 0
+    assert len({p.slot for p in fast.parked.values()}) == len(fast.parked) <= fast.cache.shape[2]
+
+
+def test_fewer_slots_than_episodes_evict_and_stay_exact(root: Path) -> None:
+    folder = build(root, "qwen3-gqa-qknorm")
+    prompts = random_prompts([4, 9, 6, 2, 7], seed=5)
+    ref = play(engine(folder, batch_size=2), prompts, keep=False)
+    e = engine(folder, batch_size=2)
+    same_episodes(play(e, prompts, keep=True), ref)
+    assert len(e._fast.parked) <= 2  # a parked slot is a free slot: new rows took them over
+
+
+def test_sliding_window_models_prefill_whole_turns(root: Path) -> None:
+    folder = build(root, "gemma3-window")
+    prompts = random_prompts([5, 9], seed=6)
+    ref = play(engine(folder), prompts, keep=False)
+    e = engine(folder)
+    assert not e._fast.can_park
+    same_episodes(play(e, prompts, keep=True), ref)
+    assert e.reused_tokens == 0 and not e._fast.parked
+
+
+def test_new_weights_and_forget_drop_what_is_parked(root: Path) -> None:
+    folder = build(root, "llama-gqa-untied")
+    e = engine(folder)
+    play(e, random_prompts([5, 7], seed=7), keep=True)
+    assert e._fast.parked  # the last turns stay parked after the stream
+    e.load_weights([(name, p.detach().clone()) for name, p in e.model.named_parameters()][:1])
+    assert not e._fast.parked
+    play(e, random_prompts([5, 7], seed=7), keep=True)
+    e.forget_prefixes()
+    assert not e._fast.parked
