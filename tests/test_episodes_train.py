@@ -159,3 +159,43 @@ def test_plan_refuses_episodes_streamed_or_partial_on_a_pool() -> None:
     for flag in ("--rollout.stream", "--rollout.partial", "--rollout.stage-weights"):
         with pytest.raises(ValueError, match=f"episodes on a rollout pool.*{flag}"):
             plan(load_config([*base, flag]), 2)  # the message names the flag
+
+
+def test_the_runner_says_which_environment_call_it_waits_for() -> None:
+    """What the stall watchdog names (Watchdog.describe): the oldest call in progress and its row."""
+    import threading
+    import time
+
+    from support.envs import HangsOnStep
+    from support.episodes import tiny_rollout
+
+    from spmd_rl.distributed import watchdog
+    from spmd_rl.episodes.framing import TurnFraming
+    from spmd_rl.episodes.runner import EpisodeRunner
+
+    class Recorder(watchdog.NullWatchdog):
+        def describe(self, fn):
+            self.fn = fn
+
+    _, tok, eos, _, engine = tiny_rollout()
+    runner = EpisodeRunner(HangsOnStep, framing=TurnFraming(tok, eos_ids=eos), tokenizer=tok, max_turns=5,
+                           max_tokens=64, tools=None, workers=2, skip_errors=False)
+    recorder = Recorder()
+    watchdog.install(recorder)
+    HangsOnStep.release.clear()
+    play = threading.Thread(target=runner.run, args=(engine, [{"answer": "7"}]),
+                            kwargs=dict(n=2, sampling=dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=1)))
+    try:
+        assert runner.waiting() == ""
+        play.start()
+        deadline = time.monotonic() + 60
+        while not runner.waiting() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        said = recorder.fn()
+        assert said.startswith("waits for HangsOnStep.step on the row {'answer': '7'} (running "), said
+        assert said.endswith("s; 2 environment calls in progress)"), said
+    finally:
+        HangsOnStep.release.set()
+        play.join(60)
+        watchdog.install(None)
+    assert not play.is_alive() and recorder.fn is None and runner.waiting() == ""

@@ -94,6 +94,27 @@ def test_watchdog_names_a_rank_alive_behind_and_one_that_left():
         ranks.close()
 
 
+def test_watchdog_names_what_a_rank_waits_on(caplog):
+    """A rank hung in an environment's step: the report of the rank that waits for it names the call
+    and its row (Watchdog.describe), and so does the hung rank's own warning."""
+    ranks = Ranks(2, stall_timeout_s=0.3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+            ranks.wds[1].describe(lambda: "waits for Hangs.step on the row {'id': 3} (running 9 s)")
+            for wd in ranks.wds:
+                wd.beat(5, "gen")
+            ranks.wds[0].beat(5, "old_logprob")
+            message = ranks.wait(0)
+            wait_for_log(caplog, "slow stage: rank 1")
+        assert message is not None
+        assert "rank 1 is alive but still in stage 'gen' of step 5" in message, message
+        assert "rank 1 waits for Hangs.step on the row {'id': 3} (running 9 s)" in message, message
+        assert "slow stage: rank 1 has been in stage 'gen' of step 5 for " in caplog.text
+        assert "(waits for Hangs.step on the row {'id': 3} (running 9 s))" in caplog.text
+    finally:
+        ranks.close()
+
+
 def wait_for_log(caplog, text: str, timeout_s: float = 10.0) -> None:
     """Until ``text`` is logged (the watchdog's thread logs it), at most ``timeout_s``; the caller asserts."""
     deadline = time.monotonic() + timeout_s

@@ -19,6 +19,9 @@ connection is never blocked behind the main thread's store calls. Two keys per r
   leaves ``after <stage>``).
 * ``alive/<rank>``: a counter the watchdog's daemon thread bumps every ``poll_s`` (1 to 5 s). A
   stopped, frozen or dead process stops bumping it, whatever its main thread was doing.
+* ``detail/<rank>``: what the rank waits on, when a part of it said (:meth:`Watchdog.describe`: the
+  episode runner names its oldest environment call, its row and for how long), set by the thread
+  when it changes; every report names it beside the rank.
 
 The thread also watches its own rank: once the current stage has lasted ``stall_timeout_s``, it
 reads every rank's keys twice, ``2 poll_s + 1`` s apart (so no clocks are compared across hosts).
@@ -90,6 +93,9 @@ class NullWatchdog:
     def stage(self, name: str, step: int) -> Iterator[None]:
         yield
 
+    def describe(self, fn: Callable[[], str] | None) -> None:
+        """``fn()``: what this rank waits on now ("" for nothing), named in stall reports; None: nothing."""
+
     def stop(self) -> None:
         pass
 
@@ -119,11 +125,14 @@ class Watchdog(NullWatchdog):
         self._next_check = 0.0
         self._store_errors = 0
         self._silent_pids: dict[int, int] = {}  # rank -> pid, of the silent ranks on this host (last check)
+        self._describe: Callable[[], str] | None = None  # what this rank waits on (describe())
+        self._detail: str | None = None  # as last published
         self._thread = threading.Thread(target=self._run, name="spmd_rl stall watchdog", daemon=True)
 
     # ------------------------------------------------------------------ the main thread's side
     def start(self) -> "Watchdog":
         self._publish_stage()
+        self._publish_detail()
         self._beat_alive()
         self._thread.start()
         return self
@@ -146,6 +155,12 @@ class Watchdog(NullWatchdog):
         finally:
             self.beat(step, f"after {name}")
 
+    def describe(self, fn: Callable[[], str] | None) -> None:
+        """``fn()``, called by the watchdog's thread at each beat: what this rank waits on now ("" for
+        nothing; e.g. an environment's step and its row), published beside its stage and named in the
+        stall reports of every rank; None: nothing any more."""
+        self._describe = fn
+
     def stop(self, stage: str = EXITED) -> None:
         """Ends the thread; the rank's last stage reads ``exited``, so that no rank takes it for silent."""
         if self._stopped.is_set():
@@ -161,6 +176,7 @@ class Watchdog(NullWatchdog):
         reported = False
         while not self._stopped.wait(self.poll_s):
             self._beat_alive()
+            self._publish_detail()
             if not self.lockstep or reported:
                 continue
             step, stage, _, began = self._state
@@ -209,7 +225,9 @@ class Watchdog(NullWatchdog):
                 else:  # ahead (or off the common order): waiting for this rank, not the cause
                     ahead.append(r)
         head = (f"stall: rank {self.rank} has been in stage '{stage}' of step {step} for {waited:.0f} s "
-                f"(trainer.stall_timeout_s={self.stall_timeout_s:g})")
+                f"(trainer.stall_timeout_s={self.stall_timeout_s:g}){_detail({'detail': self._detail})}")
+        waiting = [f"rank {r} {info['detail']}" for r, (info, _) in second.items()
+                   if r != self.rank and info is not None and info.get("detail")]
         if not (silent or left or behind):
             if self._warned != (step, stage):
                 self._warned = (step, stage)
@@ -217,13 +235,14 @@ class Watchdog(NullWatchdog):
                        "or they will name it if it hangs" if ahead else
                        "every rank is alive and in this stage: a long stage (raise trainer.stall_timeout_s if it is "
                        "expected) or a hang inside it on every rank")
-                log.warning("%s; %s; not ending the run", head.replace("stall: ", "slow stage: ", 1), why)
+                log.warning("%s; %s; not ending the run", head.replace("stall: ", "slow stage: ", 1),
+                            "; ".join([why, *waiting]))
             self._next_check = time.monotonic() + max(30.0, self.stall_timeout_s / 2)
             return None
         lines = silent + left + [
             f"{format_ranks([r for r, _ in where])} {'is' if len(where) == 1 else 'are'} alive but still in stage "
             f"'{st}' of step {sp} (for {max(now_wall - min(t for _, t in where), 0):.0f} s): hanging there or slow"
-            for (sp, st), where in sorted(behind.items(), key=lambda kv: kv[1][0][0])]
+            for (sp, st), where in sorted(behind.items(), key=lambda kv: kv[1][0][0])] + waiting
         if len(lines) > 8:
             lines = lines[:8] + [f"and {len(lines) - 8} more"]
         return f"{head}; " + "; ".join(lines) + ". Ending the run."
@@ -261,6 +280,20 @@ class Watchdog(NullWatchdog):
         except Exception as e:  # noqa: BLE001
             self._store_error(e)
 
+    def _publish_detail(self) -> None:
+        """What this rank waits on (:meth:`describe`), when it changed (the watchdog's thread)."""
+        try:
+            detail = self._describe() if self._describe is not None else ""
+        except Exception as e:  # noqa: BLE001 - a describer that fails says so, the watchdog goes on
+            detail = f"(its description failed: {type(e).__name__}: {e})"
+        if detail == self._detail:
+            return
+        try:
+            self._thread_store.set(f"{PREFIX}/detail/{self.rank}", detail)
+            self._detail = detail
+        except Exception as e:  # noqa: BLE001
+            self._store_error(e)
+
     def _beat_alive(self) -> None:
         self._alive += 1
         try:
@@ -271,7 +304,7 @@ class Watchdog(NullWatchdog):
     def _read(self) -> dict[int, tuple[dict | None, tuple[int | None, float | None]]]:
         """Every rank's (stage info, (alive counter, time of that beat)); None where a key is missing."""
         store = self._thread_store
-        keys = [f"{PREFIX}/{kind}/{r}" for r in range(self.world_size) for kind in ("stage", "alive")]
+        keys = [f"{PREFIX}/{kind}/{r}" for r in range(self.world_size) for kind in ("stage", "alive", "detail")]
         if store.check(keys):  # get() would wait for a missing key
             values = dict(zip(keys, store.multi_get(keys)))
         else:
@@ -280,6 +313,9 @@ class Watchdog(NullWatchdog):
         for r in range(self.world_size):
             stage, alive = values.get(f"{PREFIX}/stage/{r}"), values.get(f"{PREFIX}/alive/{r}")
             info = json.loads(_text(stage)) if stage is not None else None
+            detail = values.get(f"{PREFIX}/detail/{r}")
+            if info is not None and detail is not None:
+                info["detail"] = _text(detail)
             count, at = (_text(alive).split() if alive is not None else (None, None))
             out[r] = (info, (None if count is None else int(count), None if at is None else float(at)))
         return out
@@ -293,6 +329,12 @@ class Watchdog(NullWatchdog):
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _detail(info: dict | None) -> str:
+    """`` (waiting on ...)`` from a rank's published description, or nothing."""
+    detail = (info or {}).get("detail")
+    return f" ({detail})" if detail else ""
 
 
 def _silent_line(r: int, info: dict | None, at: float | None, now: float) -> str:

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
+from spmd_rl.distributed.watchdog import current as current_watchdog
 from spmd_rl.episodes.env import Env, check_messages, check_step
 from spmd_rl.episodes.framing import TurnFraming
 from spmd_rl.episodes.tools import Tool, parse_tool_calls, run_calls, tool_messages, with_tools_prompt
@@ -67,6 +69,7 @@ class EpisodeRunner:
                  tools_as_user: bool = True, reuse_prefixes: bool = True) -> None:
         self.make_env, self.framing, self.tokenizer = make_env, framing, tokenizer
         self.reuse_prefixes = reuse_prefixes  # an episode's next turn prefills only its new tokens
+        self._busy: dict[int, tuple[str, float]] = {}  # episode -> the call it is in, since (monotonic)
         self.max_turns, self.max_tokens, self.tools = max_turns, max_tokens, tools
         self.workers, self.skip_errors, self.tools_as_user = workers, skip_errors, tools_as_user
 
@@ -76,14 +79,38 @@ class EpisodeRunner:
         episodes = [Episode(row=dict(row), env=self.make_env()) for row in rows for _ in range(n)]
         forget = getattr(engine, "forget_prefixes", lambda: None)
         forget()  # the keys below are this round's episodes
+        watchdog = current_watchdog()
+        watchdog.describe(self.waiting)  # a stall report names the environment call that hangs
         try:
             with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="spmd_rl-env") as pool:
                 for e, prompt in zip(episodes, pool.map(self._reset, episodes)):
                     e.prompt = prompt
                 self._play(engine, episodes, pool, sampling)
         finally:
+            watchdog.describe(None)
             forget()
         return episode_rows(episodes)
+
+    def waiting(self) -> str:
+        """The oldest environment call in progress, its row and for how long ("" when none): what the
+        stall watchdog names (:meth:`~spmd_rl.distributed.watchdog.Watchdog.describe`)."""
+        busy = list(self._busy.values())
+        if not busy:
+            return ""
+        what, since = min(busy, key=lambda b: b[1])
+        return (f"waits for {what} (running {time.monotonic() - since:.0f} s; {len(busy)} environment "
+                f"call{'s' if len(busy) > 1 else ''} in progress)")
+
+    @contextmanager
+    def _calling(self, e: Episode, what: str) -> Iterator[None]:
+        """Time a call of ``e``'s environment or tools and show it to :meth:`waiting` meanwhile."""
+        start = time.perf_counter()
+        self._busy[id(e)] = (f"{what} on the row {e.row!r:.160}", time.monotonic())
+        try:
+            yield
+        finally:
+            self._busy.pop(id(e), None)
+            e.seconds += time.perf_counter() - start
 
     def _play(self, engine: Any, episodes: list[Episode], pool: ThreadPoolExecutor, sampling: dict) -> None:
         """Streams until every episode ended: a turn that finishes goes to ``pool``; an episode whose
@@ -119,14 +146,12 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------ worker threads
     def _reset(self, e: Episode) -> list[int]:
-        start = time.perf_counter()
         try:
-            messages = check_messages(e.env.reset(e.row), e.env, "reset")
+            with self._calling(e, f"{type(e.env).__qualname__}.reset"):
+                messages = check_messages(e.env.reset(e.row), e.env, "reset")
         except Exception as err:  # noqa: BLE001 - named with the row, or the episode skipped
             self._failed(e, "reset", err)
             return self.framing.first([{"role": "user", "content": ""}])
-        finally:
-            e.seconds += time.perf_counter() - start
         if self.tools and self.tools_as_user:
             messages = with_tools_prompt(messages, self.tools)
         return self.framing.first(messages)
@@ -141,14 +166,11 @@ class EpisodeRunner:
         if len(tokens) >= room:  # the episode's token budget is spent
             e.done = e.truncated = True
             return
-        start = time.perf_counter()
         try:
             messages = self._answer(e, decode_tokens(self.tokenizer, [tokens])[0])
         except Exception as err:  # noqa: BLE001 - named with the row, or the episode skipped
             self._failed(e, "step", err)
             return
-        finally:
-            e.seconds += time.perf_counter() - start
         if e.done or e.turns >= self.max_turns:
             e.done = True
             return
@@ -164,11 +186,14 @@ class EpisodeRunner:
         """The tools' answers to the reply's calls, or else the environment's step (its reward added)."""
         calls = parse_tool_calls(reply) if self.tools else []
         if calls:
-            results = run_calls(self.tools, calls)
+            with self._calling(e, "the tools " + ", ".join(sorted({getattr(c, "name", "(malformed)") for c in calls}))):
+                results = run_calls(self.tools, calls)
             e.tool_calls += len(results)
             e.tool_errors += sum(r.error for r in results)
             return tool_messages(results, as_user=self.tools_as_user)
-        messages, reward, done = check_step(e.env.step(reply), e.env)
+        with self._calling(e, f"{type(e.env).__qualname__}.step"):
+            result = e.env.step(reply)
+        messages, reward, done = check_step(result, e.env)
         e.reward += reward
         e.done = done
         return messages

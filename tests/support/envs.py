@@ -22,3 +22,15 @@ class FailsOnSecondTurn(ThreeTurns):
         if self.turns == 1:
             raise RuntimeError("the environment broke")
         return super().step(reply)
+
+
+class HangsOnStep(ThreeTurns):
+    """Its first step blocks until :attr:`release` is set (an environment that hangs)."""
+
+    import threading
+
+    release = threading.Event()
+
+    def step(self, reply: str) -> tuple[list[dict], float, bool]:
+        self.release.wait()
+        return super().step(reply)
