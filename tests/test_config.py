@@ -67,7 +67,7 @@ RULES = [
     (["--algo.clip-c", "1"], "algo.clip_c must be > 1, got 1.0"),
     (["--reward.timeout-s", "-1"], "reward.timeout_s must be >= 0 (0 = no limit), got -1.0"),
     (["--algo.kl-coef", "-1"], "algo.kl_coef must be >= 0, got -1.0"),
-    (["--pools.reward-ranks", "-1"], "pools.reward_ranks must be >= 0, got -1"),
+    (["--pools.reward-ranks", "-1"], "pools.reward_ranks must be a count (0, 1, 2, ...) or a fraction of the world in (0, 1), got -1"),
     (["--trainer.total-steps", "0"], "trainer.total_steps must be >= 1, got 0"),
     (["--trainer.val-every", "-1"], "trainer.val_every must be >= 0, got -1"),
     (["--trainer.dist-timeout-s", "0"], "trainer.dist_timeout_s must be >= 1, got 0"),

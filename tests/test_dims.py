@@ -13,7 +13,7 @@ from spmd_rl.config import (ActorConfig, Config, DataConfig, FsdpConfig, Megatro
                             RewardModelConfig, RolloutConfig)
 from spmd_rl.distributed.dims import FsdpLayout, MegatronLayout, RolloutLayout, UlyssesLayout
 from spmd_rl.plan import plan
-from spmd_rl.distributed.pools import PoolSpec, get_spec, gpu_of, member_of, plan_pools
+from spmd_rl.distributed.pools import PoolSpec, get_spec, gpu_of, member_of, plan_pools, pool_size
 
 SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 
@@ -255,6 +255,32 @@ def test_pools_in_world_order() -> None:
     assert specs == [PoolSpec("global", 0, 8), PoolSpec("rollout", 8, 4), PoolSpec("teacher", 12, 2),
                      PoolSpec("reward", 14, 2)]
     assert plan_pools(4, teacher_ranks=1) == [PoolSpec("global", 0, 3), PoolSpec("teacher", 3, 1)]
+
+
+def test_pool_fractions_follow_the_world() -> None:
+    """A fraction in (0, 1) is a share of the world (floor, at least 1): one flag plans every world an
+    elastic run restarts at; a world too small for it is refused naming the new size."""
+    assert [s.size for s in plan_pools(8, rollout_ranks=0.5)] == [4, 4]
+    assert [s.size for s in plan_pools(4, rollout_ranks=0.5)] == [2, 2]
+    assert [s.size for s in plan_pools(3, rollout_ranks=0.5)] == [2, 1]
+    assert [s.size for s in plan_pools(8, rollout_ranks=0.25, reward_ranks=0.125)] == [5, 2, 1]
+    assert [s.size for s in plan_pools(3, reward_ranks=0.1)] == [2, 1]  # at least one rank
+    assert pool_size(2, 16, "rollout") == 2 and pool_size(0, 16, "rollout") == 0
+    with pytest.raises(ValueError, match=r"pools\.rollout_ranks \(0\.5: 1 of 1\) must be smaller than the world "
+                                         r"size \(1\)"):
+        plan_pools(1, rollout_ranks=0.5)
+    with pytest.raises(ValueError, match=r"pools\.teacher_ranks must be a count \(0, 1, 2, \.\.\.\) or a fraction "
+                                         r"of the world in \(0, 1\), got 1\.5"):
+        plan_pools(8, teacher_ranks=1.5)
+
+
+def test_pool_fractions_from_the_command_line() -> None:
+    from spmd_rl.config import load_config
+
+    assert load_config(["--pools.rollout-ranks", "0.5"]).pools.rollout_ranks == 0.5
+    assert type(load_config(["--pools.reward-ranks", "2"]).pools.reward_ranks) is int
+    with pytest.raises(ValueError, match=r"pools\.rollout_ranks must be a count .* got -0\.5"):
+        load_config(["--pools.rollout-ranks", "-0.5"])
 
 
 def test_gpu_of_colocated_processes() -> None:

@@ -85,6 +85,27 @@ def test_rollout_pool_matches_colocated(tmp_path):
     assert [m["async/staleness/max"] for m in resumed[3:]] == [0, 1]  # from the resumed weights (version 3)
 
 
+def test_a_pool_given_as_a_fraction_is_planned_again_at_every_world_size(tmp_path):
+    """``--pools.rollout-ranks 0.5``: 2 + 2 ranks, then the same command resumed on 2 processes (1 + 1:
+    a lost node) and on 4 again (a node back); the global batch stays, the steps continue. On 1
+    process the plan is refused, naming the new size (exit 2, no restart loop)."""
+    out = str(tmp_path / "run")
+    flags = ("--pools.rollout-ranks", "0.5", "--trainer.val-every", "0")
+    err = run_ok(out, *flags, "--trainer.total-steps", "2", nproc=4)
+    assert "rollout:1" in err
+    err = run_ok(out, *flags, "--trainer.total-steps", "3", nproc=2)
+    assert "resumed from" in err and "world size 4 -> 2" in err, err[-3000:]
+    assert "rollout:1" not in err and "rollout:0" in err
+    err = run_ok(out, *flags, "--trainer.total-steps", "4", nproc=4)
+    assert "world size 2 -> 4" in err, err[-3000:]
+    steps = [m for m in read_metrics(out) if "critic/score/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    proc = run(out, *flags, "--trainer.total-steps", "5", nproc=1)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("pools.rollout_ranks (0.5: 1 of 1) must be smaller than the world size (1): the global pool (actor "
+            "and reference) needs at least one rank") in proc.stderr
+
+
 def test_teacher_distillation_colocated_and_on_a_pool(tmp_path):
     """With no reward, only the distillation term trains: the reverse KL to the teacher falls; a
     teacher pool of 2 ranks gives the colocated teacher's metrics."""

@@ -382,17 +382,19 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class PoolsConfig:
-    rollout_ranks: int = 0
+    rollout_ranks: int | float = 0
     """Give the rollout N ranks of its own (a `rollout` pool after the global one), with its own layout:
     `rollout.tp` x `rollout.pp` x the rollout data-parallel size factorise THAT pool (0 = the rollout runs
     colocated on the actor's ranks and takes turns with it). Weights reach it after every update over
-    the collective backend, never through disk."""
-    teacher_ranks: int = 0
+    the collective backend, never through disk. A fraction in (0, 1) is a share of the world
+    (floor(f x world size) ranks, at least 1), so that an elastic run re-plans at every world size."""
+    teacher_ranks: int | float = 0
     """Give the teacher (`teacher.model.path`) N ranks of its own (a `teacher` pool; 0 = colocated on
-    the actor's ranks when a teacher is configured)."""
-    reward_ranks: int = 0
+    the actor's ranks when a teacher is configured); a fraction in (0, 1): a share of the world."""
+    reward_ranks: int | float = 0
     """Put the last N ranks of the world in their own `reward` pool, serving `reward.model.path`
-    (0 = all colocated). Its ranks wait for each step's responses at most `trainer.dist_timeout_s`."""
+    (0 = all colocated); a fraction in (0, 1): a share of the world. Its ranks wait for each step's
+    responses at most `trainer.dist_timeout_s`."""
     colocate: int = 1
     """Processes per GPU. A job of G GPUs per node starts colocate x G processes per node; the first G
     local ranks use GPUs 0..G-1, the next G GPUs 0..G-1 again, and so on, so that pools listed one
@@ -400,7 +402,11 @@ class PoolsConfig:
 
     def __post_init__(self) -> None:
         for name in ("rollout_ranks", "teacher_ranks", "reward_ranks"):
-            _check(getattr(self, name) >= 0, f"pools.{name} must be >= 0, got {getattr(self, name)}")
+            v = getattr(self, name)
+            _check(v >= 0 and (v == int(v) or v < 1) and v == v,
+                   f"pools.{name} must be a count (0, 1, 2, ...) or a fraction of the world in (0, 1), got {v}")
+            if isinstance(v, float) and v == int(v):
+                setattr(self, name, int(v))  # 2.0 from YAML: a count
         _check(self.colocate >= 1, f"pools.colocate must be >= 1, got {self.colocate}")
 
 

@@ -83,19 +83,31 @@ class PoolSpec:
         return self.start + local_rank
 
 
-def plan_pools(world_size: int, *, rollout_ranks: int = 0, teacher_ranks: int = 0,
-               reward_ranks: int = 0) -> list[PoolSpec]:
+def pool_size(value: int | float, world_size: int, name: str) -> int:
+    """Ranks of a pool given as ``pools.<name>_ranks``: a whole number is a count; a fraction in (0, 1)
+    a share of the world, ``floor(value x world_size)`` ranks and at least 1, so that the same flag
+    plans every world an elastic run restarts at."""
+    if value < 0 or (value != int(value) and value > 1):
+        raise ValueError(f"pools.{name}_ranks must be a count (0, 1, 2, ...) or a fraction of the world in "
+                         f"(0, 1), got {value}")
+    if value == int(value):
+        return int(value)
+    return max(1, int(value * world_size))
+
+
+def plan_pools(world_size: int, *, rollout_ranks: int | float = 0, teacher_ranks: int | float = 0,
+               reward_ranks: int | float = 0) -> list[PoolSpec]:
     """Carve the world into contiguous pools, in the order ``global``, ``rollout``, ``teacher``,
-    ``reward``: each named role with a positive size gets that many ranks, ``global`` the rest."""
+    ``reward``: each named role with a positive size gets that many ranks (a fraction: that share of
+    the world, :func:`pool_size`), ``global`` the rest."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
-    sizes = {ROLLOUT: rollout_ranks, TEACHER: teacher_ranks, REWARD: reward_ranks}
-    for name, n in sizes.items():
-        if n < 0:
-            raise ValueError(f"pools.{name}_ranks must be >= 0, got {n}")
+    given = {ROLLOUT: rollout_ranks, TEACHER: teacher_ranks, REWARD: reward_ranks}
+    sizes = {name: pool_size(v, world_size, name) for name, v in given.items()}
     own = sum(sizes.values())
     if own >= world_size:
-        terms = [f"pools.{name}_ranks ({n})" for name, n in sizes.items() if n]
+        terms = [f"pools.{name}_ranks ({given[name]}{'' if given[name] == n else f': {n} of {world_size}'})"
+                 for name, n in sizes.items() if n]
         parts = terms[0] if len(terms) == 1 else f"{' + '.join(terms)} = {own}"
         raise ValueError(f"{parts} must be smaller than the world size ({world_size}): the global pool "
                          f"(actor and reference) needs at least one rank")
@@ -265,5 +277,5 @@ def build_groups(groups: dict[str, list[list[int]]], start: int, timeout: timede
 
 
 __all__ = [
-    "GLOBAL", "POOL_ORDER", "REWARD", "ROLLOUT", "TEACHER", "Pool", "PoolSpec", "Pools", "build_groups", "build_mesh", "get_spec", "gpu_of", "gpus_per_node", "member_of", "plan_pools",
+    "GLOBAL", "POOL_ORDER", "REWARD", "ROLLOUT", "TEACHER", "Pool", "PoolSpec", "Pools", "build_groups", "build_mesh", "get_spec", "gpu_of", "gpus_per_node", "member_of", "plan_pools", "pool_size",
 ]
