@@ -199,3 +199,33 @@ def test_the_runner_says_which_environment_call_it_waits_for() -> None:
         play.join(60)
         watchdog.install(None)
     assert not play.is_alive() and recorder.fn is None and runner.waiting() == ""
+
+
+def test_more_episodes_than_slots_still_reuse_their_prefixes() -> None:
+    """4 episodes on 2 slots: at most 2 are under way at once, so each finds its K/V parked on its next
+    turn; the tokens are those of the same episodes prefilled whole (greedy)."""
+    from support.episodes import tiny_rollout
+
+    from spmd_rl.episodes.env import load_env
+    from spmd_rl.episodes.framing import TurnFraming
+    from spmd_rl.episodes.runner import EpisodeRunner
+
+    _, tok, eos, _, engine = tiny_rollout(batch_size=2)
+    outs = {}
+    for reuse in (False, True):
+        runner = EpisodeRunner(load_env("support.envs:ThreeTurns", None), framing=TurnFraming(tok, eos_ids=eos),
+                               tokenizer=tok, max_turns=5, max_tokens=96, tools=None, workers=2, skip_errors=False,
+                               reuse_prefixes=reuse)
+        before = engine.reused_tokens
+        outs[reuse] = runner.run(engine, [{"answer": "7"}, {"answer": "12"}], n=2,
+                                 sampling=dict(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=5))
+        outs[reuse]["reused"] = engine.reused_tokens - before
+    assert outs[False]["reused"] == 0
+    assert torch.equal(outs[True]["response_ids"], outs[False]["response_ids"])
+    assert (outs[True]["logprobs"] - outs[False]["logprobs"]).abs().max() < 1e-5
+    # turns 2 and 3 of all 4 episodes: each reused its whole prefix but the turn's last model token;
+    # an episode is P prompt tokens, then 3 model turns of 8 tokens with 2 answers of e tokens between
+    present = (outs[True]["response_mask"] + outs[True]["context_mask"]).sum(1).long()
+    answers = (present - 24) // 2
+    prompts = outs[True]["prompt_lengths"]
+    assert int(((prompts + 7) + (prompts + 8 + answers + 7)).sum()) == outs[True]["reused"]

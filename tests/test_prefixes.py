@@ -4,8 +4,10 @@ Rows are played as multi-turn episodes on one stream: each finished row is fed a
 with its tokens and a few "environment" tokens appended, three turns each. With ``keep_prefixes`` a
 turn continues from the K/V its previous turn left parked; the greedy tokens must equal those of the
 same episodes prefilled whole every turn, the log-probs within 1e-5, with an EOS that ends rows at
-different steps (refills and compactions evict parked slots), with fewer slots than episodes, and on
-a sliding-window model (which never parks). New weights drop what is parked.
+different steps, with episodes fed again after different delays (the live rows compact while others
+wait parked: the parked K/V moves with them), with fewer slots than episodes (new rows evict parked
+ones), and on a sliding-window model (which never parks). An ended episode, new weights and
+``forget_prefixes`` drop what is parked.
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ def env_tokens(key: int, turn: int) -> list[int]:
     return torch.randint(3, VOCAB, (2 + (key + turn) % 4,), generator=gen).tolist()
 
 
-def play(e, prompts: list[list[int]], *, keep: bool, max_new_tokens: int = 6) -> dict[int, list]:
+def play(e, prompts: list[list[int]], *, keep: bool, max_new_tokens: int = 6, delay_s: float = 0.0) -> dict[int, list]:
     """Every prompt as a ``TURNS``-turn episode on ``e``'s stream, greedy; ``{key: [(tokens, logprobs)
-    per turn]}``."""
+    per turn]}``. ``delay_s``: episode ``key`` is fed again ``delay_s x (1 + key % 3)`` after its turn
+    (an environment that takes its time: the others decode, compact and refill meanwhile)."""
+    import threading
+    import time
+
     ids = {k: list(p) for k, p in enumerate(prompts)}
     pending = list(ids)
     turns: dict[int, list] = {k: [] for k in ids}
+    waiting = []
 
     def feed(k: int):
         taken, pending[:] = pending[:k], pending[k:]
@@ -45,10 +52,19 @@ def play(e, prompts: list[list[int]], *, keep: bool, max_new_tokens: int = 6) ->
         turns[key].append((tokens.tolist(), logprobs.clone()))
         if len(turns[key]) < TURNS:
             ids[key] += tokens.tolist() + env_tokens(key, len(turns[key]))
-            pending.append(key)
+            if delay_s:
+                waiting.append(threading.Timer(delay_s * (1 + key % 3), pending.append, (key,)))
+                waiting[-1].start()
+            else:
+                pending.append(key)
+        elif keep:
+            e.forget_prefix(key)  # the episode ended
 
     longest = max(len(p) for p in prompts) + TURNS * (max_new_tokens + 6)
-    while pending:
+    while pending or any(t.is_alive() for t in waiting):
+        if not pending:
+            time.sleep(0.002)
+            continue
         e.stream(feed=feed, done=done, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
                  max_prompt_length=longest, seed=0, keep_prefixes=keep)
     return turns
@@ -77,6 +93,19 @@ def test_turns_continue_from_the_parked_prefix_and_equal_whole_prefills(root: Pa
     assert len({p.slot for p in fast.parked.values()}) == len(fast.parked) <= fast.cache.shape[2]
 
 
+def test_parked_prefixes_move_with_a_compaction(root: Path) -> None:
+    """Episodes fed again after different delays on 8 slots: the live rows compact while others wait
+    parked; the parked K/V moves with them and every turn still equals a whole prefill."""
+    folder = build(root, "qwen3-gqa-qknorm")
+    prompts = random_prompts([5, 11, 3], seed=8)
+    ref = play(engine(folder, batch_size=8), prompts, keep=False, max_new_tokens=24)
+    e = engine(folder, batch_size=8)
+    got = play(e, prompts, keep=True, max_new_tokens=24, delay_s=0.15)
+    same_episodes(got, ref)
+    reused = sum(len(p) + 23 + (len(p) + 24 + len(env_tokens(k, 1)) + 23) for k, p in enumerate(prompts))
+    assert e._fast.compactions > 0 and e.reused_tokens == reused  # every later turn reused its whole prefix
+
+
 def test_fewer_slots_than_episodes_evict_and_stay_exact(root: Path) -> None:
     folder = build(root, "qwen3-gqa-qknorm")
     prompts = random_prompts([4, 9, 6, 2, 7], seed=5)
@@ -100,9 +129,20 @@ def test_new_weights_and_forget_drop_what_is_parked(root: Path) -> None:
     folder = build(root, "llama-gqa-untied")
     e = engine(folder)
     play(e, random_prompts([5, 7], seed=7), keep=True)
-    assert e._fast.parked  # the last turns stay parked after the stream
+    assert not e._fast.parked and e.reused_tokens > 0  # every episode ended: its slot is empty again
+
+    def one_turn() -> None:
+        rows = [(k, p) for k, p in enumerate(random_prompts([5, 7], seed=9))]
+        e.stream(feed=lambda k: [rows.pop() for _ in range(min(k, len(rows)))], done=lambda *a: None,
+                 temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=4, max_prompt_length=16, seed=0,
+                 keep_prefixes=True)
+
+    one_turn()
+    assert sorted(e._fast.parked) == [0, 1]  # finished, not told they ended: parked
     e.load_weights([(name, p.detach().clone()) for name, p in e.model.named_parameters()][:1])
     assert not e._fast.parked
-    play(e, random_prompts([5, 7], seed=7), keep=True)
+    one_turn()
+    e.forget_prefix(0)
+    assert sorted(e._fast.parked) == [1]
     e.forget_prefixes()
     assert not e._fast.parked

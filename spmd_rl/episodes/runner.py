@@ -114,9 +114,15 @@ class EpisodeRunner:
 
     def _play(self, engine: Any, episodes: list[Episode], pool: ThreadPoolExecutor, sampling: dict) -> None:
         """Streams until every episode ended: a turn that finishes goes to ``pool``; an episode whose
-        step came back is fed again."""
-        ready = [i for i, e in enumerate(episodes) if not e.done]
+        step came back is fed again, before any new one. Reusing prefixes, at most as many episodes
+        as the engine has slots are under way at once, so that each finds its K/V parked on its next
+        turn (new rows would otherwise take over the parked slots of the episodes at their tools)."""
+        fresh = [i for i, e in enumerate(episodes) if not e.done]
+        ready: list[int] = []  # episodes under way whose step came back
         steps: dict[Future, int] = {}
+        slots = getattr(engine, "batch_size", None) if self.reuse_prefixes else None
+        under_way = [0]
+        forget = getattr(engine, "forget_prefix", lambda key: None)
 
         def collect(futures: list[Future]) -> None:
             for future in futures:
@@ -124,10 +130,18 @@ class EpisodeRunner:
                 future.result()  # a step that raised: its error, with the row (see _failed)
                 if not episodes[i].done:
                     ready.append(i)
+                else:  # its slot is free for good
+                    under_way[0] -= 1
+                    forget(i)
 
         def feed(k: int) -> list[tuple[int, list[int]]]:
             collect([f for f in steps if f.done()])
             taken, ready[:] = ready[:k], ready[k:]
+            room = k - len(taken) if slots is None else min(k - len(taken), slots - under_way[0])
+            if room > 0 and fresh:
+                new, fresh[:] = fresh[:room], fresh[room:]
+                taken += new
+                under_way[0] += len(new)
             return [(i, episodes[i].prompt + episodes[i].tokens) for i in taken]
 
         def done(key: int, tokens: torch.Tensor, logprobs: torch.Tensor, swaps: torch.Tensor, truncated: bool) -> None:
@@ -135,8 +149,9 @@ class EpisodeRunner:
 
         longest = max(len(e.prompt) for e in episodes) + self.max_tokens
         calls = 0
-        while ready or steps:
-            if not ready:  # every live episode waits for its environment
+        while ready or steps or fresh:
+            if not ready and not (fresh and (slots is None or under_way[0] < slots)):
+                # every episode under way waits for its environment (and no new one may start)
                 collect(list(wait(list(steps), return_when=FIRST_COMPLETED)[0]))
                 continue
             engine.stream(feed=feed, done=done, max_prompt_length=longest, temperature=sampling["temperature"],

@@ -51,7 +51,7 @@ import gc
 import inspect
 import logging
 import time
-from typing import Callable, Iterable
+from typing import Callable, Hashable, Iterable
 
 import torch
 from transformers import DynamicCache
@@ -238,6 +238,11 @@ class NativeRollout:
         return run_stream(engine, feed=feed, done=done, temperature=temperature, top_p=top_p, top_k=top_k,
                           max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length, seed=seed, swap=swap,
                           swap_every=swap_every, look=look, keep_prefixes=keep_prefixes)
+
+    def forget_prefix(self, key: Hashable) -> None:
+        """``key`` of a ``keep_prefixes`` stream will not be fed again: what it left parked is dropped."""
+        if self._fast is not None:
+            self._fast.forget_prefix(key)
 
     def forget_prefixes(self) -> None:
         """Reuse nothing parked by earlier ``keep_prefixes`` streams (their keys are done)."""

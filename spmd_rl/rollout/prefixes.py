@@ -5,13 +5,15 @@ parked is prefilled from there on, not from its first token (multi-turn episodes
 
     fast.stream(..., keep_prefixes=True)  # via NativeRollout.stream: finished rows are parked by key
     fast.reused_tokens                     # prompt tokens not prefilled again (a parked prefix's)
+    fast.forget_prefix(key)                # that key's episode ended: its slot is empty again
     fast.forget_prefixes()                 # new weights, or the end of a round: nothing is reused
 
 What a parked slot holds: a row that finished wrote the K/V of its prompt and of every token it
 sampled but the last (the last one is never fed back), from its padding on: the prompt + all tokens
 but the last, ``wpos - pad`` of them. A parked slot is a free slot: a new row takes an empty slot
-first, then the longest-parked one, which evicts it. A fill, a compaction that moves live rows over
-it, a new cache and :meth:`PrefixCache.forget_prefixes` (new weights) drop what is parked there.
+first, then the longest-parked one, which evicts it. A compaction moves parked rows with their K/V
+and keeps them inside the batch bucket; a fill, a new cache and :meth:`PrefixCache.forget_prefixes` (new weights) drop
+what is parked there.
 
 The extension (:meth:`PrefixCache._extend`) runs the new tokens of each resumed row at the slots after
 its parked prefix, attending to the prefix and causally to themselves (right-padded to the group's
@@ -70,6 +72,10 @@ class PrefixCache(SlotCache):
         """Nothing parked is reused (new weights, or the caller's rows are done)."""
         self.parked = {}
 
+    def forget_prefix(self, key: Hashable) -> None:
+        """``key`` will not be fed again (its episode ended): its slot is empty, not parked."""
+        self.parked.pop(key, None)
+
     def park(self, key: Hashable, slot: int, pad: int, ids: list[int]) -> None:
         """Keep ``key``'s finished row in ``slot`` (the newest parked)."""
         self._drop_slots({slot})
@@ -121,9 +127,34 @@ class PrefixCache(SlotCache):
         return super()._fill(slots, queue, rows, limits)
 
     def _compact(self, cur: int, *, spare: int) -> int:
-        live = int((~self._finished[:cur]).sum())
-        self._drop_slots(set(range(live)))  # the live rows move over slots 0..live-1
-        return super()._compact(cur, spare=spare)
+        """As :meth:`SlotCache._compact`, but with prefixes parked the ``cur`` slots are permuted, not
+        overwritten: the live rows first, then the parked ones (their K/V and counters move with them),
+        then the rest; the bucket holds the live and the parked rows (a queued row can only take a slot
+        inside it), so no compaction happens while they fill the current one."""
+        if not self.parked:
+            return super()._compact(cur, spare=spare)
+        live = torch.nonzero(~self._finished[:cur]).squeeze(-1).tolist()
+        taken, held = set(live), {p.slot for p in self.parked.values()}
+        rest = [s for s in range(cur) if s not in taken]
+        parked = [s for s in rest if s in held]
+        n, new = len(live), self.bucket(len(live) + len(parked))  # parked rows stay inside the bucket
+        if new >= cur:
+            return cur
+        order = live + parked + [s for s in rest if s not in held]
+        perm = torch.tensor(order, device=self.device)
+        for cache in (self.cache, self.ring):
+            for i in range(cache.shape[0]):  # one layer at a time: the gather copy stays small
+                cache[i, :, :cur] = cache[i][:, perm]
+        for buf in (self._tok, self._pos, self._pad, self._wpos, self._ncol, self._limit, self._row_of, self._scaled,
+                    self._lse):
+            buf[:cur] = buf[perm]
+        at = {old: new for new, old in enumerate(order)}
+        for p in self.parked.values():
+            p.slot = at.get(p.slot, p.slot)  # a parked slot at or past cur stays where it is
+        self._row_of[n:new] = spare
+        self._finished[:cur] = torch.arange(cur, device=self.device) >= n
+        self.compactions += 1
+        return new
 
     # ------------------------------------------------------------------ the extension
     @torch.no_grad()
