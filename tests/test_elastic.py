@@ -1,0 +1,61 @@
+"""An elastic run with a rollout pool given as a fraction of the world: two torchrun agents on this
+host (``--nnodes 1:2``, the c10d rendezvous, 2 processes each), one killed after a checkpoint. The
+survivor's workers stop on the lost peers, its agent restarts them at world size 2, ``plan()`` lays
+the pools out again (1 actor rank + 1 rollout rank instead of 2 + 2), and the run resumes from the
+checkpoint and finishes: every step is logged, none missing."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import HERE, REPO
+from spmd_rl.distributed.testing import cpu_env, free_port
+from test_train_e2e import TINY
+
+STEPS = 10
+
+
+def _agent(out: str, port: int, log: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
+           "--rdzv-conf", "last_call_timeout=5", "--max-restarts", "2", "-m", "spmd_rl.train", *TINY,
+           "--trainer.output-dir", out, "--pools.rollout-ranks", "0.5", "--trainer.total-steps", str(STEPS),
+           "--checkpoint.every", "1", "--trainer.stall-timeout-s", "30", "--trainer.dist-timeout-s", "90"]
+    env = cpu_env(PYTHONPATH=os.pathsep.join([REPO, HERE]), OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=REPO)
+
+
+def _saved(out: str) -> int:
+    steps = [p.rsplit("_", 1)[1] for p in glob.glob(os.path.join(out, "checkpoints", "step_*"))]
+    return max([int(s) for s in steps if s.isdigit()] or [0])
+
+
+def test_a_lost_agent_replans_the_pools_and_the_run_finishes(tmp_path):
+    out, port = str(tmp_path / "run"), free_port()
+    first = _agent(out, port, str(tmp_path / "first.log"))  # hosts the rendezvous store: started first
+    time.sleep(2)
+    second = _agent(out, port, str(tmp_path / "second.log"))
+    try:
+        deadline = time.monotonic() + 300
+        while _saved(out) < 2 and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.2)
+        assert _saved(out) >= 2, (tmp_path / "first.log").read_text()[-3000:]
+        os.killpg(second.pid, signal.SIGKILL)  # the node is lost, with its agent and workers
+        code = first.wait(timeout=600)
+    finally:
+        for p in (first, second):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    log = (tmp_path / "first.log").read_text()
+    assert code == 0, log[-4000:]
+    assert "differences from the saving run: world size 4 -> 2" in log, log[-4000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [json.loads(line)["step"] for line in f if "critic/score/mean" in line]
+    assert sorted(set(steps)) == list(range(1, STEPS + 1)) and steps[-1] == STEPS, steps
