@@ -161,8 +161,11 @@ def test_plan_refuses_episodes_streamed_or_partial_on_a_pool() -> None:
             plan(load_config([*base, flag]), 2)  # the message names the flag
 
 
-def test_the_runner_says_which_environment_call_it_waits_for() -> None:
-    """What the stall watchdog names (Watchdog.describe): the oldest call in progress and its row."""
+def test_the_runner_says_which_environment_call_it_waits_for(caplog) -> None:
+    """What the stall watchdog names (Watchdog.describe): the oldest call in progress and its row; and
+    what the runner logs itself after ``warn_after_s`` with nothing to generate (a run of one process
+    has no watchdog)."""
+    import logging
     import threading
     import time
 
@@ -179,7 +182,7 @@ def test_the_runner_says_which_environment_call_it_waits_for() -> None:
 
     _, tok, eos, _, engine = tiny_rollout()
     runner = EpisodeRunner(HangsOnStep, framing=TurnFraming(tok, eos_ids=eos), tokenizer=tok, max_turns=5,
-                           max_tokens=64, tools=None, workers=2, skip_errors=False)
+                           max_tokens=64, tools=None, workers=2, skip_errors=False, warn_after_s=0.3)
     recorder = Recorder()
     watchdog.install(recorder)
     HangsOnStep.release.clear()
@@ -194,6 +197,11 @@ def test_the_runner_says_which_environment_call_it_waits_for() -> None:
         said = recorder.fn()
         assert said.startswith("waits for HangsOnStep.step on the row {'answer': '7'} (running "), said
         assert said.endswith("s; 2 environment calls in progress)"), said
+        with caplog.at_level(logging.WARNING, logger="spmd_rl"):
+            while "nothing to generate" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert "episodes: nothing to generate for 0 s: waits for HangsOnStep.step on the row {'answer': '7'}" \
+            in caplog.text
     finally:
         HangsOnStep.release.set()
         play.join(60)

@@ -41,7 +41,7 @@ def build_episode_runner(cfg: Any, tokenizer: Any, eos_ids: list[int]) -> Episod
     framing = TurnFraming(tokenizer, eos_ids=eos_ids, tools=[t.schema() for t in tools.values()] if native else None)
     return EpisodeRunner(load_env(env.fn, env.name), framing=framing, tokenizer=tokenizer, max_turns=env.max_turns,
                          max_tokens=env.max_tokens, tools=tools, workers=env.workers, skip_errors=skip,
-                         tools_as_user=not native)
+                         tools_as_user=not native, warn_after_s=cfg.trainer.stall_timeout_s)
 
 
 __all__ = ["build_episode_runner", "episode_prompt_length", "episodes_on"]

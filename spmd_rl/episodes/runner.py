@@ -25,6 +25,7 @@ each episode's prompt (``prompt_ids``, ``prompt_lengths``) and its ``env_*`` cou
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -38,6 +39,8 @@ from spmd_rl.episodes.env import Env, check_messages, check_step
 from spmd_rl.episodes.framing import TurnFraming
 from spmd_rl.episodes.tools import Tool, parse_tool_calls, run_calls, tool_messages, with_tools_prompt
 from spmd_rl.models.tokenizer import decode_tokens
+
+log = logging.getLogger("spmd_rl")
 
 
 @dataclass
@@ -66,10 +69,13 @@ class EpisodeRunner:
 
     def __init__(self, make_env: Callable[[], Env], *, framing: TurnFraming, tokenizer: Any, max_turns: int,
                  max_tokens: int, tools: dict[str, Tool] | None, workers: int, skip_errors: bool,
-                 tools_as_user: bool = True, reuse_prefixes: bool = True) -> None:
+                 tools_as_user: bool = True, reuse_prefixes: bool = True, warn_after_s: float = 0.0) -> None:
         self.make_env, self.framing, self.tokenizer = make_env, framing, tokenizer
         self.reuse_prefixes = reuse_prefixes  # an episode's next turn prefills only its new tokens
         self._busy: dict[int, tuple[str, float]] = {}  # episode -> the call it is in, since (monotonic)
+        # waiting this long for environments with nothing to generate logs what they are in (0: never);
+        # a run of one process has no stall watchdog to say it
+        self.warn_after_s = warn_after_s
         self.max_turns, self.max_tokens, self.tools = max_turns, max_tokens, tools
         self.workers, self.skip_errors, self.tools_as_user = workers, skip_errors, tools_as_user
 
@@ -152,7 +158,10 @@ class EpisodeRunner:
         while ready or steps or fresh:
             if not ready and not (fresh and (slots is None or under_way[0] < slots)):
                 # every episode under way waits for its environment (and no new one may start)
-                collect(list(wait(list(steps), return_when=FIRST_COMPLETED)[0]))
+                finished = wait(list(steps), timeout=self.warn_after_s or None, return_when=FIRST_COMPLETED)[0]
+                if not finished:
+                    log.warning("episodes: nothing to generate for %.0f s: %s", self.warn_after_s, self.waiting())
+                collect(list(finished))
                 continue
             engine.stream(feed=feed, done=done, max_prompt_length=longest, temperature=sampling["temperature"],
                           top_p=sampling["top_p"], top_k=sampling["top_k"], max_new_tokens=sampling["max_new_tokens"],
