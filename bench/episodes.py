@@ -94,7 +94,7 @@ def play(engine, prompts: list[list[int]], *, turns: int, new_tokens: int, env_t
         if made[key] < turns * new_tokens:
             steps[pool.submit(tool, key, tokens.tolist())] = key
         else:
-            engine.forget_prefix(key)  # the episode ended: its slot is free for good
+            engine.forget_prefixes(key)  # the episode ended: its slot is free for good
             under_way[0] -= 1
 
     engine.forget_prefixes()  # keys 0.. are this call's episodes (as EpisodeRunner.run does)

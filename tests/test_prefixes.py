@@ -58,7 +58,7 @@ def play(e, prompts: list[list[int]], *, keep: bool, max_new_tokens: int = 6, de
             else:
                 pending.append(key)
         elif keep:
-            e.forget_prefix(key)  # the episode ended
+            e.forget_prefixes(key)  # the episode ended
 
     longest = max(len(p) for p in prompts) + TURNS * (max_new_tokens + 6)
     while pending or any(t.is_alive() for t in waiting):
@@ -142,7 +142,7 @@ def test_new_weights_and_forget_drop_what_is_parked(root: Path) -> None:
     e.load_weights([(name, p.detach().clone()) for name, p in e.model.named_parameters()][:1])
     assert not e._fast.parked
     one_turn()
-    e.forget_prefix(0)
+    e.forget_prefixes(0)
     assert sorted(e._fast.parked) == [1]
     e.forget_prefixes()
     assert not e._fast.parked

@@ -128,7 +128,7 @@ class EpisodeRunner:
         steps: dict[Future, int] = {}
         slots = getattr(engine, "batch_size", None) if self.reuse_prefixes else None
         under_way = [0]
-        forget = getattr(engine, "forget_prefix", lambda key: None)
+        forget = getattr(engine, "forget_prefixes", lambda *keys: None)
 
         def collect(futures: list[Future]) -> None:
             for future in futures:

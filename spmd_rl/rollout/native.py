@@ -239,15 +239,10 @@ class NativeRollout:
                           max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length, seed=seed, swap=swap,
                           swap_every=swap_every, look=look, keep_prefixes=keep_prefixes)
 
-    def forget_prefix(self, key: Hashable) -> None:
-        """``key`` of a ``keep_prefixes`` stream will not be fed again: what it left parked is dropped."""
+    def forget_prefixes(self, *keys: Hashable) -> None:
+        """Drop what ``keep_prefixes`` streams left parked under ``keys`` (not fed again), or all of it."""
         if self._fast is not None:
-            self._fast.forget_prefix(key)
-
-    def forget_prefixes(self) -> None:
-        """Reuse nothing parked by earlier ``keep_prefixes`` streams (their keys are done)."""
-        if self._fast is not None:
-            self._fast.forget_prefixes()
+            self._fast.forget_prefixes(*keys)
 
     @property
     def reused_tokens(self) -> int:

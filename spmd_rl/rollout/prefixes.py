@@ -5,7 +5,7 @@ parked is prefilled from there on, not from its first token (multi-turn episodes
 
     fast.stream(..., keep_prefixes=True)  # via NativeRollout.stream: finished rows are parked by key
     fast.reused_tokens                     # prompt tokens not prefilled again (a parked prefix's)
-    fast.forget_prefix(key)                # that key's episode ended: its slot is empty again
+    fast.forget_prefixes(key)              # that key's episode ended: its slot is empty again
     fast.forget_prefixes()                 # new weights, or the end of a round: nothing is reused
 
 What a parked slot holds: a row that finished wrote the K/V of its prompt and of every token it
@@ -68,13 +68,13 @@ class PrefixCache(SlotCache):
         """Whether prefixes can be kept: not with sliding-window layers (their ring keeps only the window)."""
         return self.window is None
 
-    def forget_prefixes(self) -> None:
-        """Nothing parked is reused (new weights, or the caller's rows are done)."""
-        self.parked = {}
-
-    def forget_prefix(self, key: Hashable) -> None:
-        """``key`` will not be fed again (its episode ended): its slot is empty, not parked."""
-        self.parked.pop(key, None)
+    def forget_prefixes(self, *keys: Hashable) -> None:
+        """``keys`` will not be fed again (their episodes ended): their slots are empty, not parked. No
+        keys: nothing parked is reused (new weights, or the caller's rows are done)."""
+        if not keys:
+            self.parked = {}
+        for key in keys:
+            self.parked.pop(key, None)
 
     def park(self, key: Hashable, slot: int, pad: int, ids: list[int]) -> None:
         """Keep ``key``'s finished row in ``slot`` (the newest parked)."""
@@ -141,13 +141,7 @@ class PrefixCache(SlotCache):
         if new >= cur:
             return cur
         order = live + parked + [s for s in rest if s not in held]
-        perm = torch.tensor(order, device=self.device)
-        for cache in (self.cache, self.ring):
-            for i in range(cache.shape[0]):  # one layer at a time: the gather copy stays small
-                cache[i, :, :cur] = cache[i][:, perm]
-        for buf in (self._tok, self._pos, self._pad, self._wpos, self._ncol, self._limit, self._row_of, self._scaled,
-                    self._lse):
-            buf[:cur] = buf[perm]
+        self._move_rows(torch.tensor(order, device=self.device))  # a permutation of the cur rows
         at = {old: new for new, old in enumerate(order)}
         for p in self.parked.values():
             p.slot = at.get(p.slot, p.slot)  # a parked slot at or past cur stays where it is

@@ -215,17 +215,22 @@ class SlotCache:
         self._graphs = {}
         self._eos = eos.to(self.device, copy=True)
 
+    def _move_rows(self, rows: torch.Tensor) -> None:
+        """Cache rows ``rows`` (their K/V, logits and counters) to rows ``0..len(rows)-1``, in that order."""
+        n = rows.numel()
+        for cache in (self.cache, self.ring):
+            for i in range(cache.shape[0]):  # one layer at a time: the gather copy stays small
+                cache[i, :, :n] = cache[i][:, rows]
+        for buf in (self._tok, self._pos, self._pad, self._wpos, self._ncol, self._limit, self._row_of, self._scaled,
+                    self._lse):
+            buf[:n] = buf[rows]
+
     def _compact(self, cur: int, *, spare: int) -> int:
         """Move the live cache rows (and their logits and counters) to the front, order kept; shrink to their
         bucket. Rows past the live ones become spares: finished, writing to the spare output row."""
         keep = torch.nonzero(~self._finished[:cur]).squeeze(-1)
         n, new = keep.numel(), self.bucket(keep.numel())
-        for cache in (self.cache, self.ring):
-            for i in range(cache.shape[0]):  # one layer at a time: the gather copy stays small
-                cache[i, :, :n] = cache[i][:, keep]
-        for buf in (self._tok, self._pos, self._pad, self._wpos, self._ncol, self._limit, self._row_of, self._scaled,
-                    self._lse):
-            buf[:n] = buf[keep]
+        self._move_rows(keep)
         self._row_of[n:new] = spare
         self._finished[:new] = torch.arange(new, device=self.device) >= n
         self.compactions += 1
@@ -314,8 +319,8 @@ class SlotStream:
             if slots is not None and len(tokens):
                 slot, pad, wpos = slots[i]
                 ids = self.prompts[h] + tokens[:-1].tolist()
-                if wpos - pad == len(ids):  # always, for a row that finished in its slot
-                    self.fast.park(self.keys[h], slot, pad, ids)
+                assert wpos - pad == len(ids), (wpos, pad, len(ids))  # a row's K/V: its prompt, its tokens but the last
+                self.fast.park(self.keys[h], slot, pad, ids)
             self.finish(self.keys[h], tokens, logprobs, len(tokens) == 0 or int(tokens[-1]) not in eos_ids)
             self.keys[h] = None
         self.free.extend(handles)
