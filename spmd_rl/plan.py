@@ -29,7 +29,7 @@ from spmd_rl.distributed.pools import (
     GLOBAL, REWARD, ROLLOUT, TEACHER, PoolSpec, get_spec, gpu_of, gpus_per_node, member_of, plan_pools,
 )
 from spmd_rl.engine import ENGINES, engine_spec
-from spmd_rl.rollout import backend_spec
+from spmd_rl.rollout import BACKENDS, backend_spec
 
 if TYPE_CHECKING:
     from spmd_rl.config import Config
@@ -204,6 +204,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None, *,
     _check_engine(cfg, engine)
     _check_backend(cfg, backend, rollout)
     _check_episodes(cfg, backend, rollout_pool=ROLLOUT in by_name)
+    _check_router_replay(cfg, engine, backend, model_shape)
     if model_shape is not None:  # the model's heads and layers against tp / pp / sp
         engine.model_rules(cfg.actor, model_shape)
         backend.model_rules(cfg.rollout, model_shape)
@@ -310,6 +311,30 @@ def _check_episodes(cfg: Config, backend: Any, *, rollout_pool: bool) -> None:
         raise ValueError(f"actor.max_tokens_per_gpu ({budget}) is below data.max_prompt_length "
                          f"({cfg.data.max_prompt_length}) + env.max_tokens ({env.max_tokens}) = {longest}, an "
                          f"episode's longest sequence")
+
+
+def _check_router_replay(cfg: Config, engine: Any, backend: Any, shape: ModelShape | None) -> None:
+    """``actor.router_replay``: an MoE model, an engine that replays and a rollout that records, on the
+    single-turn road (the stream and the episodes do not carry the experts)."""
+    if not cfg.actor.router_replay:
+        return
+    flag = "--actor.router-replay"
+    if shape is not None and not shape.experts:
+        raise ValueError(f"{flag} replays a mixture-of-experts router; {shape.describe()} has no experts: drop {flag}")
+    if not engine.router_replay:
+        supported = sorted(name for name, spec in ENGINES.items() if spec.router_replay)
+        raise ValueError(f"{flag}: actor.engine={cfg.actor.engine} does not replay recorded experts: use "
+                         f"--actor.engine {' or '.join(supported)}, or drop {flag}")
+    if not backend.router_replay:
+        supported = sorted(name for name, spec in BACKENDS.items() if spec.router_replay)
+        raise ValueError(f"{flag}: rollout.backend={cfg.rollout.backend} does not report which experts it chose "
+                         f"for each token: use --rollout.backend {' or '.join(supported)}, or drop {flag}")
+    for on, what, drop in ((cfg.rollout.stream, "rollout.stream=True streams rows", "--rollout.stream"),
+                           (cfg.env.enabled or cfg.agent.fn is not None, "multi-turn episodes stream their turns",
+                            "--env.* / --agent.fn")):
+        if on:
+            raise ValueError(f"{flag} records experts on the rollout's batch road; {what}, which do not carry "
+                             f"them: drop {drop} or {flag}")
 
 
 def _check_batch_sizes(cfg: Config, rollout: RolloutLayout, rollout_pool: PoolSpec, actor: ActorLayout) -> None:

@@ -54,7 +54,7 @@ def rollout_server(cfg: Config, env: DistEnv, groups: RunGroups) -> ServiceServe
         cfg.rollout, model_folder=folder, device=env.device, pad_token_id=int(tokenizer.pad_token_id),
         eos_token_ids=eos_token_ids(tokenizer), trust_remote_code=cfg.model.trust_remote_code,
         max_prompt_length=episode_prompt_length(cfg), seed=engine_seed(cfg.trainer.seed, replica),
-        pool_groups=groups.rollout_pool_groups)
+        pool_groups=groups.rollout_pool_groups, record_routes=cfg.actor.router_replay)
     serving = dict(engine=engine, link=groups.rollout_link, replica=replica, sleep_level=0,
                    partial=cfg.rollout.partial, partial_chunk=cfg.rollout.partial_chunk,
                    stage_weights=cfg.rollout.stage_weights)

@@ -174,13 +174,14 @@ class Trainer:
         episodes = self._episodes(here=groups.rollout_link is None) if episodes_on(cfg) else None
         if groups.rollout_link is not None:
             groups.rollout_link.max_in_flight = cfg.trainer.max_staleness + 2
+            groups.rollout_link.record_experts = cfg.actor.router_replay
             return PoolRollout(groups.rollout_link, dtype=dtype, is_controller=self.env.is_main,
                                pad_token_id=self.pad_id, episodes=episodes)
         engine = build_rollout_from_config(
             cfg.rollout, model_folder=self.model_folder, device=self.env.device, pad_token_id=self.pad_id,
             eos_token_ids=self.eos_ids, trust_remote_code=cfg.model.trust_remote_code,
             max_prompt_length=episode_prompt_length(cfg), seed=engine_seed(cfg.trainer.seed, self.place.rollout_dp),
-            pool_groups=groups.rollout_pool_groups)
+            pool_groups=groups.rollout_pool_groups, record_routes=cfg.actor.router_replay)
         return LocalRollout(engine, place=self.place, sleep_level=cfg.rollout.sleep_level_on(self.env.device.type),
                             dtype=dtype, episodes=episodes)
 

@@ -168,6 +168,14 @@ class ActorConfig:
     """megatron-core engine layout."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (`actor.lora.rank` > 0)."""
+    router_replay: bool = False
+    """MoE router replay ("R3"): the rollout records, for every generated token and every MoE layer, the
+    experts its router chose, and the actor's log-prob and update forwards route those tokens to exactly
+    those experts (gate weights from the trainer's own router logits over them); prompt and environment
+    tokens route by the trainer's logits. Removes the routing part of the rollout/trainer mismatch
+    (docs/OFFPOLICY.md). Needs an MoE model (Qwen3-MoE routers), the built-in
+    rollout's fast decode, single-turn rounds (not `rollout.stream`, not episodes); the reference and
+    the critic route by their own logits."""
 
     def __post_init__(self) -> None:
         _check(math.isfinite(self.lr) and self.lr > 0, f"actor.lr must be a finite number > 0, got {self.lr}")

@@ -20,6 +20,11 @@ from typing import Any, Iterator
 import torch
 
 
+def pad_columns(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """``t [B, T, ...]`` right-padded on dim 1 to ``width`` columns with ``value``."""
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=value)
+
+
 @dataclass
 class ModelInputs:
     """A padded micro-batch ready for a causal LM: ``[pad.. prompt | response ..pad]``.
@@ -97,7 +102,8 @@ class RolloutBatch:
 
     @staticmethod
     def concat(parts: list["RolloutBatch"], pad_token_id: int) -> "RolloutBatch":
-        """Join batches row-wise, right-padding ``[B, T]`` tensors to the longest T."""
+        """Join batches row-wise, right-padding ``[B, T, ...]`` tensors to the longest T (with the pad id
+        for ``response_ids``, -1 for ``routed_experts``, 0 for the others)."""
         parts = [p for p in parts if len(p)]
         if not parts:
             return RolloutBatch(prompts=[])
@@ -107,9 +113,9 @@ class RolloutBatch:
             pieces = []
             for p in parts:
                 t = p.tensors[key]
-                if t.dim() == 2 and t.shape[1] < width:
-                    fill = pad_token_id if key == "response_ids" else 0
-                    t = torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+                if t.dim() >= 2 and t.shape[1] < width:
+                    fill = {"response_ids": pad_token_id, "routed_experts": -1}.get(key, 0)
+                    t = pad_columns(t, width, fill)
                 pieces.append(t)
             tensors[key] = torch.cat(pieces)
         extras = {k: [x for p in parts for x in p.extras[k]] for k in parts[0].extras}

@@ -165,8 +165,8 @@ def recv_rows(route: RowRoute, spec: Mapping[str, tuple[torch.dtype, float]]) ->
         ts = [p[i] for p in pieces]
         if ts and ts[0].dim() > 1:
             width = max(t.shape[1] for t in ts)
-            ts = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=spec[name][1]) if t.shape[1] < width else t
-                  for t in ts]
+            ts = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=spec[name][1])
+                  if t.shape[1] < width else t for t in ts]
         out[name] = torch.cat(ts) if ts else torch.empty(0, dtype=spec[name][0])
     return out
 

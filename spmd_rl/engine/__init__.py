@@ -63,6 +63,8 @@ class EngineSpec:
     """It trains LoRA adapters (``actor.lora.rank`` > 0) and its actor is its own reference then."""
     moe_aux: bool = False
     """It adds an MoE router's load-balancing loss to the actor loss (``algo.moe_aux_coef`` > 0)."""
+    router_replay: bool = False
+    """Its actor forwards route generated tokens to the experts the rollout recorded (``actor.router_replay``)."""
     model_rules: Callable[[ActorConfig, ModelShape], None] = field(default=lambda actor, shape: None)
     """What its layout asks of the model's shape (heads, layers, widths against tp / pp / sp); plan()
     calls it when the model's shape is known (ValueError naming the flag and the model's numbers)."""
@@ -173,7 +175,7 @@ def _megatron_models() -> str:
 
 ENGINES: dict[str, EngineSpec] = {
     "fsdp": EngineSpec(layouts=_fsdp_layouts, meshes=("fsdp", "ulysses"), batch_layout="ulysses", build=_build_fsdp,
-                       critic=True, lora=True, moe_aux=True,
+                       critic=True, lora=True, moe_aux=True, router_replay=True,
                        model_rules=_fsdp_model_rules, models=_fsdp_models),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
                            export_copy=True, ignored_flags=_megatron_ignored, model_rules=_megatron_model_rules,

@@ -54,6 +54,10 @@ them); in training forwards the model also returns its router load-balancing los
 ``moe_aux_loss`` and added to the loss times ``moe_aux_coef`` (``algo.moe_aux_coef``, default 0 = report
 only), averaged over the micro-batches and ranks of the update.
 
+With ``actor.router_replay`` the actor's routers take the experts the rollout recorded for each generated
+token (:mod:`spmd_rl.engine.routing`): :meth:`_stage` lays them out as the forward's grid and
+:meth:`_forward` sets them, until the next forward (the backward may recompute this one).
+
 With ``lora`` (``actor.lora``, :mod:`spmd_rl.engine.lora`) only PEFT's adapters train and sit in the
 optimizer; the frozen base is sharded like any weight (bf16 on GPU) and is the reference
 (:meth:`FSDPEngine.adapters_off`); ``named_full_tensors`` yields merged weights under HF names; the
@@ -81,6 +85,7 @@ from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, 
 from spmd_rl.engine.inputs import Staged, stage
 from spmd_rl.engine.fsdp_state import FSDPCheckpointing, FSDPOffload
 from spmd_rl.engine.nanwatch import NonfiniteWatch
+from spmd_rl.engine.routing import RouterReplay
 from spmd_rl.engine.sharding import decoder_layers, shard_model
 from spmd_rl.engine.value import ValueHead, load_value_model
 from spmd_rl.models import load_causal_lm
@@ -141,6 +146,8 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
         if not self.on_gpu:  # before the model loads: freed host memory goes back (engine/host_memory.py)
             host_memory.tune_malloc()
         self._set_sequence_layout(sp_group, use_packing=use_packing, max_tokens_per_gpu=max_tokens_per_gpu)
+        # the actor's forwards route generated tokens to the rollout's experts (actor.router_replay)
+        self._replay_routes = bool(actor is not None and actor.router_replay and trainable and not value_model)
         model = self._prepare_model(model_folder, fsdp=fsdp, value_model=value_model, seed=seed,
                                     trust_remote_code=trust_remote_code, logits_chunk_tokens=logits_chunk_tokens,
                                     moe_aux_coef=moe_aux_coef, gradient_checkpointing=gradient_checkpointing,
@@ -186,6 +193,7 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
         # MoE: the router's load-balancing loss (HF's aux_loss) in training forwards
         self.router_aux = getattr(model.config, "output_router_logits", None) is not None
         self.moe_aux_coef = moe_aux_coef
+        self.replay = RouterReplay(model) if self._replay_routes else None  # engine/routing.py
         if not self.natural_attention:
             log.info("FSDPEngine: %s keeps Hugging Face's attention forward (model_type %r is not one of %s)",
                      type(model).__name__, getattr(model.config, "model_type", None), attention.SUPPORTED_MODEL_TYPES)
@@ -255,7 +263,7 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
         all their micro-batches before the first forward, so no host-to-device copy waits for the GPU."""
         return stage(micro, device=self.device, pad_token_id=self.pad_token_id, packed=self.use_packing,
                      flash=self.flash_varlen, sp_size=self.sp_size, sp_rank=self.sp_rank, sp_group=self.sp_group,
-                     rows=rows)
+                     rows=rows, routes=self.replay is not None)
 
     def _forward(self, staged: Staged, temperature: float, entropy: str,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -274,6 +282,8 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
                                          chunk_tokens=self.logits_chunk_tokens, fused=self.fused_head,
                                          keep_bytes=self.keep_logits_bytes)
         aux = {"output_router_logits": True} if self.router_aux and torch.is_grad_enabled() else {}
+        if self.replay is not None:  # kept set until the next forward: the backward may recompute this one
+            self.replay.set(None if staged.routes is None else staged.routes.flatten(0, 1))
         try:
             out = self.model(
                 input_ids=staged.input_ids,

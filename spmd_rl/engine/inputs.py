@@ -23,6 +23,7 @@ import torch.distributed as dist
 from spmd_rl.data.batch import RolloutBatch
 
 from . import packing, ulysses
+from .routing import routes_grid
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Staged:
     grid_rows: int
     width: int  # W/k
     index: torch.Tensor | None  # the micro-batch's rows in its batch, when given
+    routes: torch.Tensor | None = None  # [R, W/k, MoE layers, top_k] the recorded experts (router replay)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -51,10 +53,11 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def stage(micro: RolloutBatch, *, device: torch.device, pad_token_id: int, packed: bool, flash: bool = False,
           sp_size: int = 1, sp_rank: int = 0, sp_group: dist.ProcessGroup | None = None,
-          rows: list[int] | None = None) -> Staged:
+          rows: list[int] | None = None, routes: bool = False) -> Staged:
     """The forward inputs of ``micro`` on ``device`` (module docstring); ``flash``: varlen runs for the
     flash kernel instead of a dense mask; ``rows``: the micro-batch's rows in its batch (kept as
-    :attr:`Staged.index`)."""
+    :attr:`Staged.index`); ``routes``: the rows' ``routed_experts`` laid out as the grid (router replay;
+    None when the rows carry none, e.g. validation)."""
     flat = packing.flatten(micro, pad_token_id=pad_token_id, packed=packed, multiple=sp_size)
     width = flat.width // sp_size
     lo = sp_rank * width
@@ -71,12 +74,19 @@ def stage(micro: RolloutBatch, *, device: torch.device, pad_token_id: int, packe
         attn = ulysses.AttnSpec(cu_seqlens=put(cu), max_seqlen=longest, sp_group=sp_group)
     else:  # [R, 1, W, W], built on the device
         attn = ulysses.AttnSpec(mask=ulysses.block_causal_mask(put(flat.segment_ids)), sp_group=sp_group)
+    grid = None
+    if routes and "routed_experts" in micro:  # the generated tokens' experts, at their cells of this rank's slice
+        grid = routes_grid(micro["routed_experts"], target_rows=flat.target_rows, target_cols=flat.target_cols,
+                           model_tokens=micro["response_mask"].cpu(), grid_rows=flat.input_ids.shape[0],
+                           width=flat.width)[:, lo:lo + width]
+    tensors = {k: put(v) for k, v in micro.tensors.items() if k != "routed_experts"}
     return Staged(
-        micro=RolloutBatch(micro.prompts, {k: put(v) for k, v in micro.tensors.items()}, micro.extras),
+        micro=RolloutBatch(micro.prompts, tensors, micro.extras),
         input_ids=put(flat.input_ids[:, lo:lo + width]), position_ids=put(flat.position_ids[:, lo:lo + width]),
         attn=attn, sel=(put(sel_rows), put(sel_cols)), labels=put(flat.labels[:, lo:lo + width][sel_rows, sel_cols]),
         rows=put(flat.target_rows), cols=put(flat.target_cols), grid_rows=flat.input_ids.shape[0], width=width,
-        index=None if rows is None else put(torch.tensor(rows, dtype=torch.long)))
+        index=None if rows is None else put(torch.tensor(rows, dtype=torch.long)),
+        routes=None if grid is None else put(grid.contiguous()))
 
 
 __all__ = ["Staged", "stage", "to_device"]

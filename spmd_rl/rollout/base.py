@@ -41,6 +41,9 @@ class GenerationOutput:
     weight_swaps: torch.Tensor | None = None
     """[B, T] long: how many weight swaps of a partial rollout came before each token was sampled
     (0 = the weights the call started with); None when the call took no ``swap`` callback."""
+    routed_experts: torch.Tensor | None = None
+    """[B, T, MoE layers, top_k] int16: the experts each MoE layer chose for each generated token, -1
+    where masked (router replay, ``actor.router_replay``); None when the engine records none."""
 
     @property
     def response_lengths(self) -> torch.LongTensor:

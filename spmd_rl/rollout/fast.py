@@ -60,6 +60,9 @@ How a call of ``b`` rows runs (any ``b``; ``max_batch``, i.e. ``rollout.batch_si
   (:func:`~spmd_rl.rollout.sampling.inverse_cdf`: block sums, then one block, instead of a scan over the
   vocabulary); top-k / top-p filter ``z = logits / T`` first. Greedy is argmax. The log-prob is
   ``z[tok] - logsumexp(z)``, i.e. ``log_softmax(logits / T)`` before filtering, float32;
+* with ``record_routes`` (router replay) each MoE layer of the step's forward also writes its tokens'
+  experts into a static buffer, which the step scatters to the output cell of the token it fed
+  (:meth:`FastDecoder.routes`): recorded inside the graph, no host sync;
 * every ``check_every`` steps (1 on CPU, 4 on CUDA: it costs a host sync) the live rows and the
   highest write slot are read: the queue refills, the live rows compact, or the call ends when no
   row is live and none queues.
@@ -100,10 +103,11 @@ class FastDecoder(PrefixCache):
     """Static-cache, graph-captured decoding over a HF model of a supported family (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_batch: int, pad_token_id: int,
-                 prefill_tokens: int = 16384, compile_layers: bool = False) -> None:
+                 prefill_tokens: int = 16384, compile_layers: bool = False, record_routes: bool = False) -> None:
         """``compile_layers``: run the decode step's layer halves (:func:`layer_functions`) through
         ``torch.compile`` (one fused kernel for each norm, for RoPE and for the activation); the prefill
-        runs them eagerly. Compiling fails over to the eager code, logged once."""
+        runs them eagerly. Compiling fails over to the eager code, logged once. ``record_routes`` (an MoE
+        model): the decode step records each generated token's experts in every MoE layer (:meth:`routes`)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FastDecoder: {reason}")
@@ -113,6 +117,14 @@ class FastDecoder(PrefixCache):
         self.device = torch.device(device)
         self._read_shape(model)
         graphable = self._build_layer_functions(model.config, compile_layers)
+        # router replay: MoE layer i records its experts at index moe_of[i] of the step's routes
+        self.moe_layers = [i for i, kind in enumerate(self.kind) if kind == "moe"]
+        if record_routes and not self.moe_layers:
+            raise ValueError("FastDecoder: record_routes needs a mixture-of-experts model; this one has no MoE layer")
+        self.record_routes = record_routes
+        self.top_k = int(next(l.mlp.gate.top_k for l, e in zip(self.layers, self.experts) if e is not None)) \
+            if self.moe_layers else 0
+        self._moe_of = {i: j for j, i in enumerate(self.moe_layers)}
         self.buckets = batch_buckets(max_batch)
         self.pad_token_id = int(pad_token_id)
         self.prefill_tokens = prefill_tokens
@@ -234,7 +246,9 @@ class FastDecoder(PrefixCache):
         return fn(*lead, x, norm.weight, norm_eps(norm), self.qkv[i].weight, self.qkv[i].bias, cos, sin,
                   qn.weight, kn.weight, norm_eps(qn))
 
-    def _out(self, i: int, x: torch.Tensor, o: torch.Tensor, fns: dict[str, Callable]) -> torch.Tensor:
+    def _out(self, i: int, x: torch.Tensor, o: torch.Tensor, fns: dict[str, Callable],
+             routes: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer ``i``'s second half; an MoE layer writes its tokens' experts into ``routes`` when given."""
         layer, kind = self.layers[i], self.kind[i]
         o_proj = layer.self_attn.o_proj
         if self.family.sandwich_norms:  # Gemma: post_attention_layernorm normalises the attention output
@@ -244,6 +258,8 @@ class FastDecoder(PrefixCache):
             norms = (None, layer.post_attention_layernorm.weight, None)
         if kind == "moe":
             weights = (layer.mlp.gate.weight, layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj)
+            if routes is not None:
+                weights += (routes,)
         else:
             down = layer.mlp.down_proj
             weights = (self.gate_up[i].weight, self.gate_up[i].bias, down.weight, down.bias)
@@ -347,6 +363,10 @@ class FastDecoder(PrefixCache):
             starts, queries = starts.int(), self._ar[:rows + 1].int()  # one query per row
         elif self.attention == "triton":
             first, end = first.int(), (wpos + 1).int()
+
+        def record(i: int) -> torch.Tensor | None:  # MoE layer i's rows of the step's routes
+            j = self._moe_of.get(i)
+            return None if j is None or not self.record_routes else self._route_step[j, :rows]
         for i in range(len(self.layers)):
             cos, sin = tables[self.rope_of[i]]  # [rows, 1, D]
             kv = self._kv(i)
@@ -365,13 +385,16 @@ class FastDecoder(PrefixCache):
                                         queries, starts, 1, span, scale=self.scaling, enable_gqa=True, seqused_k=used)
                     else:
                         o = decode_attention(q, k_cache, v_cache, first, end, scale=self.scaling, span=span)
-                    x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
+                    x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out, record(i))
                     continue
                 k_cache, v_cache = k_cache[:, :span].transpose(1, 2), v_cache[:, :span].transpose(1, 2)
             q = q.unflatten(1, (self.kv_heads, self.group))  # query heads of one KV head together
             o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=bias[self.windows[i]], scale=self.scaling)
-            x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out)
+            x = self._out(i, x, o.reshape(rows, self.heads * self.head_dim), self._step_out, record(i))
         self._head(x, rows)
+        if self.record_routes:  # each row's token's experts, at the output cell its sample was written to
+            self._out_route.index_put_((self._rec_row[:rows], self._rec_col[:rows]),
+                                       self._route_step[:, :rows].transpose(0, 1))
         live = (~self._finished[:rows]).long()  # finished rows keep their slot: writes stay inside the cache
         pos += live
         wpos += live
@@ -401,6 +424,9 @@ class FastDecoder(PrefixCache):
         live = ~finished
         # finished rows and spares write to the spare output row, whose contents are dropped
         where = (torch.where(live, self._row_of[:rows], self._out_tok.shape[0] - 1), ncol)
+        if self.record_routes:  # where the forward of this token records its experts
+            self._rec_row[:rows] = where[0]
+            self._rec_col[:rows] = ncol
         self._out_tok.index_put_(where, torch.where(live, tok, self.pad_token_id))
         self._out_lp.index_put_(where, torch.where(live, lp, 0.0))
         self._out_mask.index_put_(where, live.float())
@@ -542,6 +568,14 @@ class FastDecoder(PrefixCache):
         last = tokens.gather(1, mask.sum(-1, keepdim=True).long().clamp_(min=1) - 1).squeeze(1)
         truncated = ~torch.isin(last, self._eos)  # a row ends at its first EOS, so no EOS last = no EOS at all
         return tokens, mask[:, :width].clone(), self._out_lp[:b, :width].clone(), truncated
+
+    def routes(self, rows: int, width: int) -> torch.Tensor:
+        """The last call's recorded experts ``[rows, width, MoE layers, top_k]`` (int16, -1 where no token):
+        for output row ``r`` and column ``c``, the experts each MoE layer chose for the token sampled there
+        (recorded by the forward that token fed; ``record_routes``)."""
+        if not self.record_routes:
+            raise RuntimeError("FastDecoder.routes: built without record_routes")
+        return self._out_route[:rows, :width].clone()
 
     @staticmethod
     def mode(*, temperature: float, top_k: int, top_p: float) -> tuple[bool, int, float]:

@@ -220,13 +220,17 @@ def moe_mlp(*, experts: int, top_k: int, normalise: bool, act: Callable[[torch.T
     1 when ``normalise``. Experts: the ``tokens x k`` (token, expert) pairs sorted by expert, so each
     expert's tokens are one contiguous run; ``grouped``: two grouped GEMMs over the runs (``offs`` = each
     run's end), no host sync (graph-capturable); else a loop over the experts that got tokens (one host
-    sync for the run ends). Each pair's output times its weight is added into its token's row."""
+    sync for the run ends). Each pair's output times its weight is added into its token's row.
+    ``routes [tokens, k]``, when given, receives each token's chosen experts (router replay: the decode
+    step records what the trainer replays; written in place, so a compiled or captured step keeps it)."""
     fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
-    def mlp(h, router_w, gate_up, down):
+    def mlp(h, router_w, gate_up, down, routes=None):
         flat = h.reshape(-1, h.shape[-1])
         logits = F.linear(flat, router_w)
         top_w, top_i = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+        if routes is not None:
+            routes.copy_(top_i)
         if normalise:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(flat.dtype)

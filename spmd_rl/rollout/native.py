@@ -101,10 +101,13 @@ class NativeRollout:
         length_dist: LengthDist = "model",
         min_new_tokens: int = 1,
         token_delay_s: float = 0.0,
+        record_routes: bool = False,
     ) -> None:
         """``compile_decode``: the fast path's decode layers through ``torch.compile`` (see
         :class:`FastDecoder`); None = where inductor makes triton kernels (CUDA), True also elsewhere.
-        ``length_dist`` / ``min_new_tokens`` / ``token_delay_s``: benchmark workloads (module docstring)."""
+        ``length_dist`` / ``min_new_tokens`` / ``token_delay_s``: benchmark workloads (module docstring).
+        ``record_routes``: ``generate`` returns each generated token's experts in every MoE layer
+        (``GenerationOutput.routed_experts``, router replay); it needs the fast path."""
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
         self.device = torch.device(device)
@@ -137,9 +140,14 @@ class NativeRollout:
             if reason is None:
                 compile_layers = triton_available(self.device) if compile_decode is None else compile_decode
                 self._fast = FastDecoder(self.model, device=self.device, max_batch=batch_size,
-                                         pad_token_id=self.pad_token_id, compile_layers=compile_layers)
+                                         pad_token_id=self.pad_token_id, compile_layers=compile_layers,
+                                         record_routes=record_routes)
             else:
                 log.warning("NativeRollout: fast decode is off (%s); using the Hugging Face decode loop", reason)
+        if record_routes and self._fast is None:
+            raise ValueError("--actor.router-replay records the experts in the built-in rollout's fast decode, which "
+                             f"does not run this model ({reason if fast_decode else 'fast_decode is off'})")
+        self.record_routes = record_routes
         # What sleep(2) moves: the fast path's fused tensors (its parameters are views of them), then every
         # other parameter / buffer once (tied weights are one tensor).
         fused = self._fast.fused if self._fast is not None else []
@@ -204,7 +212,8 @@ class NativeRollout:
         out_logprobs = torch.zeros(len(rows), width, dtype=torch.float32)
         out_swaps = torch.zeros(len(rows), width, dtype=torch.long)
         out_truncated = torch.zeros(len(rows), dtype=torch.bool)
-        for idx, (tokens, mask, logprobs, swaps, truncated) in pieces:
+        out_routes = self._no_routes(len(rows), width)
+        for idx, (tokens, mask, logprobs, swaps, truncated, routes) in pieces:
             where = torch.tensor(idx, dtype=torch.long)
             t = min(tokens.shape[1], width)
             out_tokens[where, :t] = tokens[:, :t]
@@ -212,9 +221,17 @@ class NativeRollout:
             out_logprobs[where, :t] = logprobs[:, :t]
             out_swaps[where, :t] = swaps[:, :t]
             out_truncated[where] = truncated
+            if routes is not None:
+                out_routes[where, :t] = routes[:, :t]
         return GenerationOutput(prompt_ids=rows, response_ids=out_tokens, response_mask=out_mask,
                                 logprobs=out_logprobs, truncated=out_truncated,
-                                weight_swaps=out_swaps if swap is not None else None)
+                                weight_swaps=out_swaps if swap is not None else None, routed_experts=out_routes)
+
+    def _no_routes(self, rows: int, width: int) -> torch.Tensor | None:
+        """``[rows, width, MoE layers, top_k]`` of -1 (no token) when recording routes, else None."""
+        if not self.record_routes:
+            return None
+        return torch.full((rows, width, len(self._fast.moe_layers), self._fast.top_k), -1, dtype=torch.int16)
 
     @torch.no_grad()
     def stream(self, *, feed: Feed, done: Done, temperature: float, top_p: float, top_k: int, max_new_tokens: int,
@@ -252,15 +269,17 @@ class NativeRollout:
     def _generate_piece(
         self, rows: list[list[int]], *, limits: list[int] | None, max_new_tokens: int,
         swap: Callable[[], bool] | None, swap_every: int, look: Callable[[], None] | None, **sampling,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One piece of at most ``batch_size`` rows: ``tokens, mask, logprobs, swaps [b, max_new_tokens]``
-        and ``truncated [b]`` on the CPU. Interrupted by a weight swap, the rows still going continue
-        from their prefix (they all hold the same number of tokens: they started together and none
-        has stopped)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One piece of at most ``batch_size`` rows: ``tokens, mask, logprobs, swaps [b, max_new_tokens]``,
+        ``truncated [b]`` and the recorded experts (``[b, max_new_tokens, MoE layers, k]``, or None) on the
+        CPU. Interrupted by a weight swap, the rows still going continue from their prefix (they all
+        hold the same number of tokens: they started together and none has stopped); the experts of
+        the tokens before the swap stay those that sampled them."""
         b = len(rows)
         tokens = torch.full((b, max_new_tokens), self.pad_token_id, dtype=torch.long)
         mask, logprobs = torch.zeros(b, max_new_tokens), torch.zeros(b, max_new_tokens)
         swaps, truncated = torch.zeros(b, max_new_tokens, dtype=torch.long), torch.ones(b, dtype=torch.bool)
+        routes = self._no_routes(b, max_new_tokens)
         live, done = list(range(b)), 0  # the rows still going, and the tokens each of them holds
 
         def looked(steps: int) -> None:
@@ -291,15 +310,17 @@ class NativeRollout:
             logprobs[where, done:done + width] = t_lp
             swaps[where, done:done + width] = self._swaps
             truncated[where] = t_trunc
+            if routes is not None:  # the chunk's rows are its first output rows, in the order given
+                routes[where, done:done + width] = self._fast.routes(len(live), width).cpu()
             if not swapped:
-                return tokens, mask, logprobs, swaps, truncated
+                return tokens, mask, logprobs, swaps, truncated, routes
             self._swaps += 1
             lengths = t_mask.sum(1).long().tolist()
             done += width
             live = [i for k, i in enumerate(live) if t_trunc[k] and lengths[k] == width
                     and done < (max_new_tokens if limits is None else limits[i])]
             if not live:
-                return tokens, mask, logprobs, swaps, truncated
+                return tokens, mask, logprobs, swaps, truncated, routes
 
     def _generate_chunk(
         self, rows: list[list[int]], *, temperature: float, top_k: int, top_p: float, max_new_tokens: int,

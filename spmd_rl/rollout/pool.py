@@ -68,15 +68,19 @@ COMMANDS_KEY = "spmd_rl/rollout/commands_sent"
 rank looks at it between decode steps: a look that never blocks)."""
 
 
-def response_spec(pad_token_id: int, *, episodes: bool = False) -> dict[str, tuple[torch.dtype, float]]:
+def response_spec(pad_token_id: int, *, episodes: bool = False, experts: bool = False,
+                  ) -> dict[str, tuple[torch.dtype, float]]:
     """The response tensors a round routes, with their dtypes and pad values; with ``episodes`` also
     what :func:`~spmd_rl.episodes.runner.episode_rows` adds (each episode's prompt, context mask and
-    ``env_*`` counts), which only episode rounds route."""
+    ``env_*`` counts), which only episode rounds route; with ``experts`` each generated token's experts
+    (``routed_experts``, router replay)."""
     spec = {"response_ids": (torch.long, pad_token_id), "response_mask": (torch.float32, 0.0),
             "logprobs": (torch.float32, 0.0), "truncated": (torch.long, 0), "versions": (torch.long, -1),
             "gen_seconds": (torch.float32, 0.0)}
     if episodes:
         spec.update(EPISODE_SPEC)
+    if experts:
+        spec["routed_experts"] = (torch.int16, -1)
     return spec
 
 
@@ -156,6 +160,8 @@ class Round:
     """Received ahead of its turn (a later round was taken first)."""
     episodes: bool = False
     """Multi-turn episodes: its rows carry :data:`EPISODE_SPEC` too."""
+    experts: bool = False
+    """Its rows carry each generated token's experts (``routed_experts``, router replay)."""
 
 
 class RolloutLink(ServiceLink):
@@ -177,6 +183,7 @@ class RolloutLink(ServiceLink):
         self.last_transfer: TransferStats | None = None
         self.rounds: list[Round] = []  # the queue between the pools, oldest first
         self.max_in_flight: int | None = None  # its bound (the trainer's: S + 1 training rounds + a validation one)
+        self.record_experts = False  # the rollout ranks record experts (actor.router_replay): rows carry them
 
     @property
     def rollout_ranks(self) -> list[int]:
@@ -221,7 +228,8 @@ class RolloutLink(ServiceLink):
             route = RowRoute(sources={CONTROLLER: (0, num_prompts)},
                              dests=self.routes.prompt_ranges(num_prompts, even=kind == "train"))
             self.hold(send_rows(route, pack_prompts(prompts), first_row=0, wait=False))
-        self.rounds.append(Round(kind, num_prompts, sampling["n"], pad_token_id, episodes=rows is not None))
+        self.rounds.append(Round(kind, num_prompts, sampling["n"], pad_token_id, episodes=rows is not None,
+                                 experts=self.record_experts and rows is None))
 
     def take(self, *, last: bool = False) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
         """The oldest round's rows for this actor rank (the newest with ``last``, the older ones
@@ -243,7 +251,7 @@ class RolloutLink(ServiceLink):
     def _receive(self, r: Round) -> dict[str, torch.Tensor]:
         prompt_ranges = self.routes.prompt_ranges(r.num_prompts, even=r.kind == "train")
         route = RowRoute(sources=self.routes.response_sources(prompt_ranges, r.n), dests=self._dests(r))
-        return recv_rows(route, response_spec(r.pad_token_id, episodes=r.episodes))
+        return recv_rows(route, response_spec(r.pad_token_id, episodes=r.episodes, experts=r.experts))
 
     def generate(self, prompts: list[list[int]] | None, sampling: dict[str, Any], *, kind: str,
                  num_prompts: int, pad_token_id: int) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
@@ -417,9 +425,12 @@ class RolloutServer(ServiceServer):
                    "logprobs": g.logprobs.float().cpu(), "truncated": g.truncated.long().cpu(),
                    "versions": (torch.tensor(self.versions)[g.weight_swaps] if g.weight_swaps is not None
                                 else torch.full(g.response_ids.shape, self.version, dtype=torch.long))}
+            if g.routed_experts is not None:  # router replay: each generated token's experts
+                out["routed_experts"] = g.routed_experts
         self.engine.sleep(self.sleep_level)
         out["gen_seconds"] = torch.full((len(prompts) * n,), time.perf_counter() - start)
-        spec = response_spec(0, episodes=rows is not None)  # sent in the order the takers receive them
+        # sent in the order the takers receive them
+        spec = response_spec(0, episodes=rows is not None, experts=rows is None and "routed_experts" in out)
         return {k: out[k].to(dtype) for k, (dtype, _) in spec.items()}
 
 

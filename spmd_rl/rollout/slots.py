@@ -52,10 +52,12 @@ class SlotCache:
     """The cache half of :class:`~spmd_rl.rollout.fast.FastDecoder`, its base class. It reads the
     decoder's shape and settings (``inner``, ``layers``, ``windows``, ``window``, ``kv_heads``,
     ``head_dim``, ``vocab``, ``rope_keys``, ``fused``, ``prefill_tokens``, ``pad_token_id``, ``device``,
-    ``memory_budget``) and calls its ``_prefill`` and ``bucket``."""
+    ``memory_budget``; ``record_routes``, ``moe_layers``, ``top_k`` for router replay) and calls its
+    ``_prefill`` and ``bucket``."""
 
     _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_wpos", "_ncol", "_limit", "_ar", "_row_of", "_finished", "_temp",
-                     "_u", "_scaled", "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin")
+                     "_u", "_scaled", "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin",
+                     "_out_route", "_route_step", "_rec_row", "_rec_col")
 
     def release(self) -> None:
         """Free the KV cache, the step's buffers and the CUDA graphs (their memory pool)."""
@@ -92,6 +94,8 @@ class SlotCache:
         per_slot = 2 * self.kv_heads * self.head_dim * item  # K and V of one position, one layer
         kv = per_slot * rows * ((len(self.layers) - windowed) * slots + windowed * min(self.window or 0, slots))
         buffers = rows * self.vocab * 4 * 2 + (out_rows + 1) * slots * (8 + 4 + 4) + rows * 64
+        if self.record_routes:  # int16 experts per output cell and MoE layer (router replay)
+            buffers += ((out_rows + 1) * slots + rows) * len(self.moe_layers) * self.top_k * 2 + rows * 16
         hidden = self.inner.embed_tokens.weight.shape[1]
         width = max([f.weight.shape[0] for f in self.fused] + [hidden])  # the widest GEMM output (gate/up: 2 x MLP)
         transient = min(self.prefill_tokens, rows * slots) * (4 * hidden + 2 * width) * item
@@ -147,6 +151,11 @@ class SlotCache:
         self._out_tok = torch.zeros(out_rows + 1, slots, **long)  # + a spare row
         self._out_lp = torch.zeros(out_rows + 1, slots, dtype=torch.float32, device=dev)
         self._out_mask = torch.zeros_like(self._out_lp)
+        if self.record_routes:  # router replay: each output cell's experts per MoE layer, and the step's
+            routes = dict(dtype=torch.int16, device=dev)
+            self._out_route = torch.full((out_rows + 1, slots, len(self.moe_layers), self.top_k), -1, **routes)
+            self._route_step = torch.zeros(len(self.moe_layers), rows, self.top_k, **routes)
+            self._rec_row, self._rec_col = torch.zeros(rows, **long), torch.zeros(rows, **long)
         self._slots = torch.arange(slots, device=dev)
         # RoPE tables by position, one per rope key (see rope_types)
         self._cos = torch.zeros(len(self.rope_keys), slots, self.head_dim, dtype=dtype, device=dev)
@@ -178,6 +187,8 @@ class SlotCache:
         self._out_tok[rows] = self.pad_token_id
         self._out_lp[rows] = 0.0
         self._out_mask[rows] = 0.0
+        if self.record_routes:
+            self._out_route[rows] = -1
 
     def _fill(self, slots: list[int], queue: list[int], rows: list[list[int]], limits: list[int]) -> int:
         """Prefill the next queued rows into the cache rows ``slots`` (as many as both have), in groups of

@@ -115,6 +115,8 @@ class LocalRollout:
             g = self.engine.generate([prompt_ids[indices[i]] for i in mine], **sampling)
             out = {"response_ids": g.response_ids, "response_mask": g.response_mask, "logprobs": g.logprobs,
                    "truncated": g.truncated}
+            if g.routed_experts is not None:  # router replay: each generated token's experts
+                out["routed_experts"] = g.routed_experts
         return out
 
     def answers(self, prompt_ids: list[list[int]], sampling: dict) -> Answers:

@@ -71,6 +71,9 @@ def to_batch(rows: Rows, prompt_ids: list[list[int]], *, place: Placement, n: in
         },
         extras={"sample": [rows.indices[i] for i in positions]},
     )
+    if "routed_experts" in out:  # router replay: the experts the rollout chose, for the actor's forwards
+        batch["routed_experts"] = out["routed_experts"].to(torch.int16).cpu()
+        acc.add_sum("perf/router_replay_mb", batch["routed_experts"].numel() * 2 / 2 ** 20)
     if "context_mask" in out:  # episodes: the environment's tokens between the model's turns, and its reward
         batch["context_mask"] = out["context_mask"].float().cpu()
         batch["env_reward"] = out["env_reward"].float().cpu()
