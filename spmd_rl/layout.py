@@ -3,6 +3,7 @@
     python -m spmd_rl.layout --config configs/gsm8k.yaml --world-size 16 --nproc-per-node 8
     python -m spmd_rl.layout --model.path /models/Qwen2.5-7B-Instruct --actor.engine megatron --actor.megatron.tp 2 --world-size 8 --json
     python -m spmd_rl.layout --pools.rollout-ranks 2 --pools.colocate 2 --world-size 4 --nproc-per-node 4
+    python -m spmd_rl.layout --model.path tiny-random --world-size 2 --memory --device-gib 80
 
 Takes every flag of ``spmd_rl.train`` (same config loading) plus its own. It runs the same
 validation as the trainer (:func:`spmd_rl.plan.plan`), so an invalid layout exits non-zero
@@ -11,7 +12,11 @@ machine has it (:func:`spmd_rl.models.shape.read_model_shape`) and checks tp / p
 object ``{"world_size", "pools", "ranks": [...], "groups": {"<mesh>.<axis>": [[global ranks], ...]}}``;
 each rank has its ``"pools"`` (name -> rank in that pool) and its ``"gpu"`` (device index on its node,
 from ``--nproc-per-node`` and ``--pools.colocate``). The rollout's groups (``rollout.tp`` / ``.pp`` /
-``.dp``) are made of the rollout pool's ranks when it has one.
+``.dp``) are made of the rollout pool's ranks when it has one. ``--memory`` adds each pool's per-rank
+memory estimate (:mod:`spmd_rl.memory`, from the model's shape: a table of its parts per phase of a step);
+with ``--device-gib G`` the estimate is checked against a GPU of G GiB as the trainer checks it (exit 2
+with its message when over, unless ``--plan.no-memory-check``). The JSON has it as ``"memory"`` (null
+without the shape).
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ class LayoutFlags:
         int | None, tyro.conf.arg(help="Processes (GPUs) per node, to show node and local rank of each rank.")
     ] = None
     json: Annotated[bool, tyro.conf.arg(help="Print one JSON object instead of tables.")] = False
+    memory: Annotated[bool, tyro.conf.arg(help=(
+        "Also print each pool's per-rank GPU memory estimate (needs the model's shape: --model.path a local "
+        "folder, .gguf file or built-in name)."))] = False
+    device_gib: Annotated[float | None, tyro.conf.arg(help=(
+        "GPU memory per device in GiB (e.g. 139.8 for an H200, 79.1 for an 80 GB H100) to check the estimate "
+        "against, as spmd_rl.train does on the GPU; unset: the estimate is printed, not checked."))] = None
 
 
 def describe(p: Plan) -> dict[str, Any]:
@@ -80,6 +91,7 @@ def describe(p: Plan) -> dict[str, Any]:
         "rollout_dp_size": p.rollout_dp_size,
         "unavailable": dict(p.unavailable),
         "warnings": list(p.warnings),
+        "memory": None if p.memory is None else p.memory.to_dict(),
         "ranks": ranks,
         "groups": groups,
     }
@@ -155,11 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         if flags.world_size is None:
             raise ValueError("--world-size is required (the number of processes of the run)")
         shape = read_model_shape(cfg.model.path, cache_dir=cfg.model.cache_dir)
-        p = plan(cfg, flags.world_size, flags.nproc_per_node, model_shape=shape)
+        device = None if flags.device_gib is None else int(flags.device_gib * 2**30)
+        p = plan(cfg, flags.world_size, flags.nproc_per_node, model_shape=shape, device_bytes=device)
     except (ValueError, FileNotFoundError) as e:
         print(f"spmd_rl.layout: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(describe(p)) if flags.json else render(p))
+    if flags.json:
+        print(json.dumps(describe(p)))
+    elif flags.memory:
+        print(render(p) + "\n\n" + (p.memory.render() if p.memory is not None else
+                                    "memory: no estimate without the model's shape (hidden size, vocabulary)"))
+    else:
+        print(render(p))
     return 0
 
 

@@ -3,6 +3,7 @@ group exists.
 
     p = plan(cfg, world_size=16, nproc_per_node=8)      # ValueError naming the flags and numbers
     p = plan(cfg, 2, model_shape=read_model_shape(cfg.model.path))   # + tp / pp / sp against the model's heads
+    p = plan(cfg, 8, model_shape=shape, device_bytes=141 * 2**30)    # + each rank's memory against its GPU
     p.fsdp.groups(), p.rollout.coords(3), p.pool("reward"), p.dp_rank(5), p.counts_in_sums(5)
 
 :func:`plan` is the one judge of a run's configuration: every rule that spans config sections or
@@ -11,8 +12,10 @@ live in its ``__post_init__``). Given the model's shape (``model_shape``, read f
 or GGUF header by :func:`spmd_rl.models.shape.read_model_shape`; the trainer and the layout tool pass
 it), it also refuses a tp / pp / sp degree that does not divide the model's heads or layers, through
 the engine's and the backend's ``model_rules``; the engines check the same again once the model is
-loaded. ``python -m spmd_rl.train``, the trainer and the layout tool
-(``python -m spmd_rl.layout``) all call it. The layouts live in :mod:`spmd_rl.distributed.dims`;
+loaded. With the shape it also estimates each rank's memory (``Plan.memory``, :mod:`spmd_rl.memory`)
+and, given the GPU's memory (``device_bytes``, from ``spmd_rl.train``), refuses a run whose estimate
+exceeds it. ``python -m spmd_rl.train``, the trainer and the layout tool (``python -m spmd_rl.layout``)
+all call it. The layouts live in :mod:`spmd_rl.distributed.dims`;
 what differs between training engines and rollout backends comes from their registries
 (:mod:`spmd_rl.engine`, :mod:`spmd_rl.rollout`), so nothing here branches on their names. It sits
 above :mod:`spmd_rl.distributed` (which it reads, and which imports nothing of it) and those registries.
@@ -20,6 +23,7 @@ above :mod:`spmd_rl.distributed` (which it reads, and which imports nothing of i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +33,12 @@ from spmd_rl.distributed.pools import (
     GLOBAL, REWARD, ROLLOUT, TEACHER, PoolSpec, get_spec, gpu_of, gpus_per_node, member_of, plan_pools,
 )
 from spmd_rl.engine import ENGINES, engine_spec
+from spmd_rl.memory import check_memory, estimate_memory
 from spmd_rl.rollout import BACKENDS, backend_spec
 
 if TYPE_CHECKING:
     from spmd_rl.config import Config
+    from spmd_rl.memory import MemoryEstimate
     from spmd_rl.models.shape import ModelShape
 
 
@@ -76,6 +82,8 @@ class Plan:
     """What is valid now but will fail where the run starts (e.g. a missing library)."""
     model: ModelShape | None = None
     """The model's shape the layouts were checked against (None: not known, those checks not made)."""
+    memory: MemoryEstimate | None = field(default=None, hash=False)
+    """Each pool's per-rank memory estimate (:mod:`spmd_rl.memory`; None without the model's shape)."""
 
     # ---- the actor's batch view: the trainer asks these, never the engine's name
     @property
@@ -166,10 +174,12 @@ class Plan:
 
 
 def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None, *,
-         model_shape: ModelShape | None = None) -> Plan:
+         model_shape: ModelShape | None = None, device_bytes: int | None = None) -> Plan:
     """Validate a run's layouts, batch sizes and cross-section rules for ``world_size`` processes;
     no process group needed. ``model_shape``: the model's heads and layers, checked against the
-    engine's and the rollout's degrees (None: those checks are skipped).
+    engine's and the rollout's degrees, and each rank's memory estimated (None: neither).
+    ``device_bytes``: one GPU's memory (None: a CPU run, or not known), which no rank's estimate may
+    exceed unless ``--plan.no-memory-check`` (:func:`spmd_rl.memory.check_memory`).
 
     Raises ``ValueError`` naming the flags and numbers of the first rule broken.
     """
@@ -210,7 +220,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None, *,
         backend.model_rules(cfg.rollout, model_shape)
     _check_batch_sizes(cfg, rollout, rollout_pool, actor)
     tb, mb = cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size
-    return Plan(
+    p = Plan(
         world_size=world_size, nproc_per_node=nproc_per_node, engine=cfg.actor.engine, pools=tuple(specs),
         actor=actor, actor_meshes=engine.meshes, layouts_by_name=layouts, rollout=rollout,
         reward_fsdp=reward_fsdp, teacher_fsdp=teacher_fsdp, rollout_prompts_per_replica=tb // rollout.dp_size,
@@ -218,6 +228,13 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None, *,
         rollout_backend=cfg.rollout.backend,
         unavailable=unavailable, warnings=tuple(warnings), model=model_shape,
     )
+    if model_shape is None:
+        return p
+    models = dict(engine=engine.memory, rollout=backend.memory, device_bytes=device_bytes)
+    p = dataclasses.replace(p, memory=estimate_memory(cfg, p, model_shape, **models))
+    if cfg.plan.memory_check:
+        check_memory(cfg, p, model_shape, **models)
+    return p
 
 
 def _engine_layouts(cfg: Config, size: int, engine: Any) -> tuple[dict[str, Any], dict[str, str]]:

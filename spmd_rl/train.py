@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from spmd_rl import console
 from spmd_rl.config import load_config
+from spmd_rl.memory import device_memory
 from spmd_rl.models.shape import read_model_shape
 from spmd_rl.plan import plan
 from spmd_rl.distributed.process import (
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         shape = read_model_shape(cfg.model.path, cache_dir=cfg.model.cache_dir)  # config.json / GGUF header
-        run_plan = plan(cfg, env.world_size, env.local_world_size, model_shape=shape)  # every rule, before any group
+        gpu = device_memory(cfg.trainer.device, env.local_rank, env.local_world_size, cfg.pools.colocate)
+        # every rule, before any group; with the shape and the GPU's memory also each rank's memory estimate
+        run_plan = plan(cfg, env.world_size, env.local_world_size, model_shape=shape, device_bytes=gpu)
     except (ValueError, FileNotFoundError) as e:
         # Every rank finds the same error. Rank 0 reports it at once; the others wait, so that none of
         # them exits first and has torchrun stop rank 0 before it printed (then torchrun stops them

@@ -17,7 +17,7 @@ from .engines import ActorConfig, CriticConfig, CriticModelConfig, FsdpConfig, L
 from .episodes import AgentConfig, EnvConfig
 from .loading import from_yaml, load_config, split_config_flag, to_dict, to_yaml
 from .sections import (
-    AlgoConfig, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, PoolsConfig, RewardConfig,
+    AlgoConfig, CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig, PlanConfig, PoolsConfig, RewardConfig,
     RewardModelConfig, RolloutConfig, TeacherConfig, TeacherModelConfig, TrainerConfig,
 )
 

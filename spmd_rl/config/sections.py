@@ -484,6 +484,16 @@ class TrainerConfig:
 
 
 @dataclass(kw_only=True)
+class PlanConfig:
+    memory_check: bool = True
+    """Refuse, before anything is built, a GPU run whose estimated memory per rank (`spmd_rl/memory/`:
+    weights, gradients, optimizer state, the rollout's copy and KV cache, activations, the reference,
+    critic and teacher; `python -m spmd_rl.layout ... --memory` prints it) exceeds its GPU, naming the
+    largest part and the flags that would make it fit. `--plan.no-memory-check` starts such a run anyway
+    (an estimate, not a measurement: docs/PERF.md, "Memory at plan time"). CPU runs are not checked."""
+
+
+@dataclass(kw_only=True)
 class LoggingConfig:
     console: bool = True
     """Progress bar and per-step summary on rank 0."""
@@ -570,10 +580,11 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 __all__ = [
     "ActorConfig", "AlgoConfig", "CheckpointConfig", "Config", "CriticConfig", "DataConfig", "FsdpConfig",
-    "LoggingConfig", "MegatronConfig", "ModelConfig", "PoolsConfig", "RefConfig", "RewardConfig",
+    "LoggingConfig", "MegatronConfig", "ModelConfig", "PlanConfig", "PoolsConfig", "RefConfig", "RewardConfig",
     "RewardModelConfig", "RolloutConfig", "TrainerConfig",
 ]

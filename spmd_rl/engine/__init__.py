@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from spmd_rl.distributed.dims import ActorLayout, FsdpLayout, MegatronLayout, UlyssesLayout
+from spmd_rl.memory.parts import FSDP_MEMORY, MEGATRON_MEMORY, EngineMemory
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +72,8 @@ class EngineSpec:
     models: Callable[[], str] = field(default=lambda: "")
     """The models it trains, in words (the layout tool prints it; :mod:`spmd_rl.models.families`, imported
     only when asked: it loads transformers)."""
+    memory: EngineMemory = FSDP_MEMORY
+    """What its actor and reference hold on a GPU, for plan()'s memory estimate (:mod:`spmd_rl.memory.parts`)."""
 
 
 def _fsdp_layouts(actor: ActorConfig, size: int) -> dict[str, Any]:
@@ -179,7 +182,7 @@ ENGINES: dict[str, EngineSpec] = {
                        model_rules=_fsdp_model_rules, models=_fsdp_models),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
                            export_copy=True, ignored_flags=_megatron_ignored, model_rules=_megatron_model_rules,
-                           models=_megatron_models),
+                           models=_megatron_models, memory=MEGATRON_MEMORY),
 }
 
 

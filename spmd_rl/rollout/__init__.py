@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from spmd_rl.memory.parts import NATIVE_MEMORY, VLLM_MEMORY, RolloutMemory
+
 if TYPE_CHECKING:
     import torch
 
@@ -129,13 +131,16 @@ class BackendSpec:
     router_replay: bool = False
     """Its ``generate`` takes ``record_routes`` at construction and returns each generated token's experts
     (``GenerationOutput.routed_experts``): ``actor.router_replay``."""
+    memory: RolloutMemory = NATIVE_MEMORY
+    """What it holds on a GPU, for plan()'s memory estimate (:mod:`spmd_rl.memory.parts`)."""
 
 
 BACKENDS: dict[str, BackendSpec] = {
     "native": BackendSpec(factory=_native, options=_native_options, model_parallel=False, partial=True,
                           stream=True, stage_weights=True, router_replay=True),
     "vllm": BackendSpec(factory=_vllm, options=_vllm_options, model_parallel=True,
-                        pool_groups=_vllm_pool_groups, check=_vllm_check, model_rules=_vllm_model_rules),
+                        pool_groups=_vllm_pool_groups, check=_vllm_check, model_rules=_vllm_model_rules,
+                        memory=VLLM_MEMORY),
 }
 
 
