@@ -43,23 +43,25 @@ SHAPES.setdefault("tiny-moe", dict(model_type="qwen3_moe", vocab_size=512, hidde
 
 def disagreement(engine: FSDPEngine, batch: RolloutBatch, micro: int) -> float:
     """The share of generated tokens for which the trainer's own routers (no replay) pick another expert set
-    than the rollout recorded, in at least one MoE layer."""
-    replay, differ, total = engine.replay, 0, 0
-    for part in batch.split(micro):
-        staged = engine._stage(part)
-        grid = staged.routes.flatten(0, 1)  # [cells, layers, k], -1 where no generated token
-        seen: list[torch.Tensor] = []
-        hooks = [r.register_forward_hook(lambda m, a, res: seen.append(res[2])) for r in replay.routers]
-        replay.set(None)
-        with torch.no_grad():
-            engine.model(input_ids=staged.input_ids, position_ids=staged.position_ids, use_cache=False,
-                         spmd_attn=staged.attn)
+    than the rollout recorded, in at least one MoE layer: a log-prob pass whose routers ignore the records,
+    the records' grid of each micro-batch kept from its staging and the routers' choices from hooks."""
+    replay, grids, seen = engine.replay, [], []
+    stage = engine._stage
+    engine._stage = lambda part, rows=None: grids.append(stage(part, rows)) or grids[-1]
+    replay.set = lambda routes: type(replay).set(replay, None)  # every token by the trainer's own logits
+    hooks = [r.register_forward_hook(lambda m, a, res: seen.append(res[2])) for r in replay.routers]
+    try:
+        engine.compute_logprobs(batch, temperature=1.0, micro_batch_size=micro)
+    finally:
         for h in hooks:
             h.remove()
-        own = torch.stack(seen, dim=1).sort(-1).values  # [cells, layers, k]
+        del engine._stage, replay.set
+    layers, differ, total = len(replay.routers), 0, 0
+    for i, staged in enumerate(grids):
+        grid = staged.routes.flatten(0, 1)  # [cells, layers, k], -1 where no generated token
+        own = torch.stack(seen[i * layers:(i + 1) * layers], dim=1).sort(-1).values
         cells = (grid >= 0).all(-1).all(-1)
-        rec = grid[cells].long().sort(-1).values
-        differ += int((own[cells] != rec).any(-1).any(-1).sum())
+        differ += int((own[cells] != grid[cells].long().sort(-1).values).any(-1).any(-1).sum())
         total += int(cells.sum())
     return differ / max(total, 1)
 

@@ -30,18 +30,18 @@ CONFIG = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_att
 TOP_K, MOE_LAYERS = 2, 2
 
 
-def moe_folder(root: Path, *, tokenizer: bool = False) -> str:
+def moe_folder(root: Path, *, tokenizer: bool = False, **shape) -> str:
     """A tiny random Qwen3-MoE saved under ``root`` (with the built-in character tokenizer: a model
-    ``spmd_rl.train`` can run)."""
+    ``spmd_rl.train`` can run); ``shape`` overrides :data:`CONFIG`."""
     from spmd_rl.models.tokenizer import EOS, PAD, SPECIAL_TOKENS, build_char_tokenizer
 
-    folder = root / "tiny-moe"
+    folder = root / ("tiny-moe" + "".join(f"-{k}{v}" for k, v in sorted(shape.items())))
     if (folder / "config.json").exists():
         return str(folder)
     tok = build_char_tokenizer(model_max_length=128)
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=len(tok), pad_token_id=SPECIAL_TOKENS.index(PAD),
-                                               eos_token_id=SPECIAL_TOKENS.index(EOS), **CONFIG))
+                                               eos_token_id=SPECIAL_TOKENS.index(EOS), **{**CONFIG, **shape}))
     model.save_pretrained(folder)
     if tokenizer:
         tok.save_pretrained(folder)
@@ -83,6 +83,39 @@ def test_without_the_flag_nothing_is_recorded(tmp_path: Path) -> None:
                            pad_token_id=0, eos_token_ids=[1])
     g = engine.generate([[5, 6, 7]], n=2, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=0)
     assert g.routed_experts is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the decode step as a CUDA graph)")
+def test_records_made_inside_the_cuda_graph_equal_the_eager_step(tmp_path: Path) -> None:
+    """bf16 on the GPU, greedy: the captured step records the same experts as the same step run eagerly,
+    and they agree with Hugging Face's bf16 forward for nearly every token (kernels differ in the last bits)."""
+    from spmd_rl.rollout.native import NativeRollout
+
+    folder = moe_folder(tmp_path, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        moe_intermediate_size=32)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    outs = []
+    for graphs in (True, False):
+        engine = NativeRollout(folder, device=torch.device("cuda"), dtype=torch.bfloat16, batch_size=4,
+                               pad_token_id=0, eos_token_ids=[1], record_routes=True)
+        assert engine._fast.use_graphs, "the bf16 MoE decode step should be captured"
+        engine._fast.use_graphs = graphs
+        outs.append(engine.generate(prompts, n=2, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=12, seed=0))
+    assert torch.equal(outs[0].response_ids, outs[1].response_ids)
+    assert torch.equal(outs[0].routed_experts, outs[1].routed_experts)
+    model = Qwen3MoeForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    g, same, total = outs[0], 0, 0
+    for i in range(len(g.prompt_ids)):
+        n, prompt = int(g.response_mask[i].sum()), g.prompt_ids[i]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + g.response_ids[i, :n].tolist()], device="cuda"),
+                           output_router_logits=True).router_logits
+        for j, lg in enumerate(logits):
+            own = torch.topk(torch.softmax(lg.float(), -1), TOP_K, -1).indices.sort(-1).values[len(prompt):].cpu()
+            rec = g.routed_experts[i, :n, j].long().sort(-1).values
+            same += int((own == rec).all(-1).sum())
+            total += n
+    assert same / total > 0.9, f"{same} of {total} token-layers agree with HF's bf16 forward"
 
 
 def _engine_body(rank: int, world_size: int, folder: str, routes: torch.Tensor, packed: bool) -> dict:
@@ -226,3 +259,22 @@ def test_a_run_with_a_rollout_pool_replays_the_recorded_experts(tmp_path: Path) 
     a, b = (read_metrics(o)[0] for o in (colocated, pooled))
     assert a["rollout_corr/kl"] == pytest.approx(b["rollout_corr/kl"], abs=1e-6)
     assert os.path.exists(os.path.join(pooled, "metrics.jsonl"))
+
+
+def test_the_benchmark_runs_on_the_cpu(tmp_path: Path, capsys) -> None:
+    """``bench/router_replay.py``'s CPU command, smaller: a row per way, replay lowering the largest gap."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import router_replay
+
+    out = tmp_path / "rows.jsonl"
+    router_replay.main(["--root", str(tmp_path / "models"), "--prompts", "4", "--max-new-tokens", "16",
+                        "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["replay"] for r in rows] == [False, True]
+    off, on = rows
+    assert off["tokens"] == on["tokens"] == 4 * 2 * 16
+    assert on["logprob_abs_diff_max"] <= off["logprob_abs_diff_max"]
+    assert "experts differ" in capsys.readouterr().out
