@@ -242,16 +242,19 @@ def test_plan_refuses_what_cannot_record_or_replay() -> None:
 
 
 def test_a_run_with_a_rollout_pool_replays_the_recorded_experts(tmp_path: Path) -> None:
-    """Colocated and with a rollout pool: the records cross pools, the run logs the mismatch and their size."""
+    """Colocated, with a rollout pool, and one step ahead: the records cross pools and wait in the queue;
+    the run logs the mismatch and their size."""
     from test_train_e2e import _check, launch, read_metrics
 
     folder = moe_folder(tmp_path, tokenizer=True)
     flags = ["--model.path", folder, "--actor.router-replay", "--trainer.total-steps", "2", "--rollout.max-new-tokens", "6",
              "--algo.rollout-is", "token"]
-    colocated, pooled = str(tmp_path / "colocated"), str(tmp_path / "pool")
+    colocated, pooled, ahead = str(tmp_path / "colocated"), str(tmp_path / "pool"), str(tmp_path / "ahead")
     _check(launch(colocated, *flags, nproc=1))
     _check(launch(pooled, *flags, "--pools.rollout-ranks", "1", nproc=2))
-    for out in (colocated, pooled):
+    # asynchronous: rounds generated one step ahead wait in the queue with their records
+    _check(launch(ahead, *flags, "--pools.rollout-ranks", "1", "--trainer.max-staleness", "1", nproc=2))
+    for out in (colocated, pooled, ahead):
         steps = [m for m in read_metrics(out) if "rollout_corr/kl" in m]
         assert [m["step"] for m in steps] == [1, 2]
         assert all(m["perf/router_replay_mb"] > 0 for m in steps)
