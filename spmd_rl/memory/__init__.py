@@ -97,8 +97,8 @@ class RankMemory:
         device = "" if not self.device_bytes else (f" of the {self.device_bytes / GIB:.1f} GiB it may use "
                                                    f"({100 * self.peak / self.device_bytes:.0f} %)")
         title = f"{self.pool} pool ({self.ranks} rank{'s' if self.ranks > 1 else ''}), {name} per rank"
-        tail = (f"peak {self.peak / GIB:.2f} GiB in {self.peak_phase}{device}; largest part: {self.largest().name} "
-                f"({self.largest().bytes / GIB:.2f} GiB)")
+        tail = (f"peak {self.peak / unit:.2f} {name} in {self.peak_phase}{device}; largest part: "
+                f"{self.largest().name} ({self.largest().bytes / unit:.2f} {name})")
         return "\n".join([title, *lines, tail])
 
 

@@ -126,16 +126,18 @@ def forward_bytes(s: ModelShape, tokens: int, positions: int) -> int:
     return tokens * (4 * h + width) * 2 + min(positions, chunk) * int(s.vocab or 0) * 2
 
 
-def head_bytes(cfg: Config, s: ModelShape, positions: int, device_bytes: int | None) -> int:
-    """The log-prob head in the update: its bf16 logits kept for the backward when they fit its budget (or are
-    one chunk), plus the chunk the backward works on (logits and their gradient)."""
-    vocab = int(s.vocab or 0)
+def head_bytes(cfg: Config, s: ModelShape, positions: int, device_bytes: int | None, *, trainable: bool) -> int:
+    """The log-prob head in the update (:class:`~spmd_rl.engine.head.ChunkedLogprobs`): its bf16 logits kept for
+    the backward when they fit its budget (or are one chunk), else one chunk recomputed; a chunk's bf16
+    gradient; and a trainable head's weight gradient, summed over chunks in fp32 next to each chunk's bf16
+    part and cast to bf16 at the end."""
+    vocab, h = int(s.vocab or 0), int(s.hidden or 0)
     chunk = max(1, CHUNK_ELEMENTS // max(vocab, 1))
     gib = cfg.actor.fsdp.keep_logits_gib
     keep = int(gib * GIB) if gib is not None else (device_bytes or 0) // 16
-    kept = positions * vocab * 2 if positions <= chunk or positions * vocab * 2 <= keep else 0
-    return kept + 2 * min(positions, chunk) * vocab * 2
-
+    kept = positions * vocab * 2 if positions <= chunk or positions * vocab * 2 <= keep else min(positions, chunk) * vocab * 2
+    weight = 0 if not trainable else vocab * h * (2 if positions <= chunk else 8)
+    return kept + min(positions, chunk) * vocab * 2 + weight
 
 
 __all__ = ["GIB", "Params", "activation_bytes", "forward_bytes", "head_bytes", "kv_cache_bytes", "lengths",

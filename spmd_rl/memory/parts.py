@@ -45,7 +45,6 @@ def _mini_batch_rows(cfg: Config, p: Plan) -> int:
     return cfg.actor.ppo_mini_batch_size // p.dp_size * cfg.rollout.n
 
 
-
 # --------------------------------------------------------------------------- what each engine holds
 
 
@@ -69,10 +68,10 @@ def fsdp_trainable(cfg: Config, p: Plan, s: ModelShape, device_bytes: int | None
     tokens, positions = micro_tokens(cfg, _mini_batch_rows(cfg, p),
                                      cfg.critic.micro_batch_size if critic else cfg.actor.micro_batch_size)
     acts = tokens * activation_bytes(s, checkpointing=cfg.model.checkpointing_on("cuda"))
-    # the backward's bf16 gradients: the head's first, the layers' while their activations go (one rank); or a
-    # layer's bf16 and fp32 unsharded gradients at a time (FSDP)
+    # the backward's bf16 gradients of the layers while their activations go (one rank), or a layer's bf16 and
+    # fp32 unsharded gradients at a time (FSDP); the head's are the logits part's
     layers = 0 if lora else 2 * (params.total - params.embed - params.head)
-    backward = (max(0, layers - acts) if not sharded else 12 * params.largest_layer) + 2 * params.embed * (lora == 0)
+    backward = max(0, layers - acts) if not sharded else 12 * params.largest_layer * (lora == 0)
     held = _phases(not f.param_offload, (LOGPROBS, work))
     parts = [Part(f"{name} weights", (4 * trained + 2 * params.total * bool(lora)) // shard, held),
              Part(f"{name} gradients", 4 * trained // shard, held),
@@ -81,7 +80,7 @@ def fsdp_trainable(cfg: Config, p: Plan, s: ModelShape, device_bytes: int | None
              Part(f"{name} activations", acts, frozenset({work})),
              Part(f"{name} backward gradients", backward, frozenset({work}))]
     if not critic:
-        parts.append(Part("logits", head_bytes(cfg, s, positions, device_bytes), frozenset({UPDATE})))
+        parts.append(Part("log-prob head", head_bytes(cfg, s, positions, device_bytes, trainable=not lora), frozenset({UPDATE})))
     rows = cfg.data.train_batch_size // p.dp_size * cfg.rollout.n
     return parts, copies + forward_bytes(s, *micro_tokens(cfg, rows, cfg.actor.micro_batch_size))
 
@@ -128,7 +127,7 @@ def megatron_actor(cfg: Config, p: Plan, s: ModelShape, device_bytes: int | None
             Part("actor optimizer state", int(12 * (dense / lay.dp_size + experts / lay.expert_dp_size)),
                  _phases(not m.optimizer_offload, (UPDATE,))),
             Part("actor activations", int(acts), frozenset({UPDATE})),
-            Part("logits", int(tokens / lay.cp * int(s.vocab or 0) / lay.tp * 8), frozenset({UPDATE}))], 0
+            Part("log-prob head", int(tokens / lay.cp * int(s.vocab or 0) / lay.tp * 8), frozenset({UPDATE}))], 0
 
 
 def _megatron_reference(cfg: Config, p: Plan, s: ModelShape, tokens: int, positions: int) -> tuple[Part, int]:
