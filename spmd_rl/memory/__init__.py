@@ -48,13 +48,12 @@ from typing import TYPE_CHECKING, Any, Callable
 from .counts import GIB, lengths, micro_tokens
 from .parts import (
     CRITIC, FSDP_MEMORY, GENERATE, LOGPROBS, MEGATRON_MEMORY, NATIVE_MEMORY, STEP, VLLM_MEMORY, EngineMemory, Part,
-    Remedies, RolloutMemory, fsdp_trainable, frozen,
+    Plan, Remedies, RolloutMemory, fsdp_trainable, frozen,
 )
 
 if TYPE_CHECKING:
     from spmd_rl.config import Config
     from spmd_rl.models.shape import ModelShape
-    from spmd_rl.plan import Plan
 
 
 @dataclass(frozen=True)

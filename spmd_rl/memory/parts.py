@@ -19,10 +19,11 @@ from .counts import (
 if TYPE_CHECKING:
     from spmd_rl.config import Config
     from spmd_rl.models.shape import ModelShape
-    from spmd_rl.plan import Plan
 
 GENERATE, LOGPROBS, UPDATE, CRITIC = "generate", "log-probs", "update", "critic update"
 STEP = (GENERATE, LOGPROBS, UPDATE, CRITIC)
+Plan = Any
+"""A :class:`spmd_rl.plan.Plan` (not imported: ``plan()`` imports this package)."""
 Remedies = list[tuple[str, dict[str, Any]]]
 """Changes that lower a rank's memory: (the flags as typed, {dotted config field: value})."""
 
