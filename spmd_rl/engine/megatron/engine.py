@@ -17,6 +17,12 @@ its two balanced chunks of every row (:mod:`.context`); each computes the log-pr
 positions it holds, and their sum over cp gives every cp rank the whole ``[B, T]`` in sequence order,
 so the loss and ``compute_logprobs`` are as without cp. The engine never packs rows.
 
+MoE router replay (``actor.router_replay``, the actor only): :meth:`MegatronEngine._grids` lays each
+micro-batch's ``routed_experts`` out in the token order every router of this rank sees (the cp rank's
+chunks, ``[S, B]``, the tp rank's slice under sequence parallelism) and the forward step hands them
+to the routers of the chunk it runs, which take the recorded experts for generated tokens with gate
+weights from their own logits (:mod:`.replay`, through megatron-core's router replay hook).
+
 Training runs megatron-core's ``get_forward_backward_func`` (1F1B, or interleaved with vpp). The
 trainer's ``loss_fn`` runs on the last pipeline stage on vocab-parallel log-probs
 (:mod:`.vocab`); its loss is already divided by the GLOBAL token count, so the engine sets
@@ -42,7 +48,8 @@ global pool, also next to pools of other roles (:mod:`.groups`). Tests: ``tests/
 against one process; log-probs against the FSDP engine; HF round trip), ``test_megatron_e2e.py``
 (torchrun run, exact resume, HF export, a reward pool), ``test_megatron_pools.py`` (rollout and teacher
 pools: the colocated run's metrics, the rollout's weights bit for bit), ``test_megatron_state.py`` (offload, resume
-on other layouts) and ``test_megatron_bf16.py`` (the bf16 path emulated on
+on other layouts), ``test_megatron_router_replay.py`` (router replay against the FSDP engine's on 1 rank,
+tp 2 + sp, pp 2 x vpp 2, ep 2, cp 2) and ``test_megatron_bf16.py`` (the bf16 path emulated on
 CPU); ``bench/megatron_gpu_check.py`` compares it with the FSDP engine in bf16 on GPUs.
 """
 
@@ -66,6 +73,7 @@ from spmd_rl.engine.megatron.convert import export_hf_weights, load_hf_weights
 from spmd_rl.engine.megatron.groups import init_model_parallel
 from spmd_rl.engine.megatron.model import ModelSpec, build_chunks, check_layout, transformer_config
 from spmd_rl.engine.megatron.offload import HostParking, MegatronOffload
+from spmd_rl.engine.megatron.replay import MegatronRouterReplay, grid_routes
 from spmd_rl.engine.megatron.reshard import MegatronCheckpointing, param_range
 from spmd_rl.engine.megatron.vocab import vocab_parallel_logprobs
 from spmd_rl.models import check_sliding_window, load_causal_lm
@@ -85,6 +93,7 @@ class _Grid:
     labels: torch.Tensor  # [N]
     real: int  # rows 0..real-1 are the micro-batch, the rest padding
     held: torch.Tensor | None = None  # cp > 1: which of the B*T response positions this cp rank holds (N of them)
+    routes: torch.Tensor | None = None  # router replay: [tokens, MoE layers, top_k] in this rank's router order
 
 
 def batch_p2p_comm_for(layout: MegatronLayout) -> bool:
@@ -125,6 +134,14 @@ class MegatronEngine(MegatronCheckpointing, MegatronOffload):
         self.pad_token_id = pad_token_id
         self.on_gpu = device.type == "cuda"
         chunks = self._load_chunks(model_folder, megatron=megatron, trust_remote_code=trust_remote_code)
+        # the actor's forwards route generated tokens to the rollout's experts (actor.router_replay, .replay)
+        self.replay = None
+        if trainable and actor is not None and actor.router_replay:
+            if not self.spec.experts:
+                raise ValueError("--actor.router-replay needs a mixture-of-experts model; "
+                                 f"{self.spec.family} is dense: drop --actor.router-replay")
+            self.replay = MegatronRouterReplay(chunks, layers=self.spec.layers, top_k=self.spec.top_k,
+                                               experts=self.spec.experts, config=self.tf_config)
         # the loaded fp32 weights, kept through the bf16 cast (the same tensors: no copy) to seed the
         # optimizer's fp32 main weights (see _main_params_from)
         fp32_weights = {p: p.data for chunk in chunks for p in chunk.parameters()} if self.on_gpu and trainable else {}
@@ -314,11 +331,16 @@ class MegatronEngine(MegatronCheckpointing, MegatronOffload):
                 held = (local_of[cols] >= 0).nonzero().squeeze(1)
                 grid_rows, cols, labels = grid_rows[held], local_of[cols[held]], labels[held]
                 held = held.to(self.device)
+            routes = None
+            if self.replay is not None and "routed_experts" in micro:  # None (e.g. validation): own logits
+                recorded = grid_routes(micro, rows=rows, width=width, starts=starts[:len(micro)].tolist())
+                routes = self.replay.layout(recorded, held_cols=held_cols, tp=self.layout.tp, tp_rank=self.tp_rank,
+                                            sequence_parallel=bool(self.tf_config.sequence_parallel)).to(self.device)
             grids.append(_Grid(
                 micro=micro, tokens=tokens.to(self.device),
                 positions=positions.expand(rows, -1).contiguous().to(self.device),
                 rows=grid_rows.to(self.device), cols=cols.to(self.device), labels=labels.to(self.device),
-                real=len(micro), held=held))
+                real=len(micro), held=held, routes=routes))
         return grids, rows, width
 
     def _response_logprobs(self, logits: torch.Tensor, grid: _Grid, temperature: float, entropy: str
@@ -354,6 +376,8 @@ class MegatronEngine(MegatronCheckpointing, MegatronOffload):
 
         def step(data_iterator, model):
             grid = next(data_iterator)
+            if self.replay is not None:  # this chunk's routers, for this micro-batch (kept: nothing recomputes)
+                self.replay.set(next(i for i, m in enumerate(self.model) if m is model), grid.routes)
             output = model(grid.tokens, grid.positions, None)
             return output, lambda out: loss(out, grid)
 
