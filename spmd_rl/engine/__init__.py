@@ -181,8 +181,8 @@ ENGINES: dict[str, EngineSpec] = {
                        critic=True, lora=True, moe_aux=True, router_replay=True,
                        model_rules=_fsdp_model_rules, models=_fsdp_models),
     "megatron": EngineSpec(layouts=_megatron_layouts, meshes=("megatron",), batch_layout="megatron", build=_build_megatron,
-                           export_copy=True, ignored_flags=_megatron_ignored, model_rules=_megatron_model_rules,
-                           models=_megatron_models, memory=MEGATRON_MEMORY),
+                           export_copy=True, router_replay=True, ignored_flags=_megatron_ignored,
+                           model_rules=_megatron_model_rules, models=_megatron_models, memory=MEGATRON_MEMORY),
 }
 
 
