@@ -16,6 +16,7 @@ import torch
 
 from spmd_rl.algo import rollout_correction
 from spmd_rl.distributed.testing import run_distributed
+from support.devices import cuda
 
 B = 20
 EPS = 1e-8
@@ -268,6 +269,18 @@ def test_matches_reference(kw) -> None:
     for seed in (0, 1):
         old, rollout, mask = _case(seed)
         assert_matches(rollout_correction(old, rollout, mask, **kw), reference(old, rollout, mask, **kw))
+
+
+@cuda
+@pytest.mark.parametrize("kw", CASES[::3], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "diagnostics")
+def test_on_the_gpu_as_on_the_cpu(kw) -> None:
+    """The batch's tensors on a GPU (as the actor holds them there): the same weights, mask and metrics."""
+    old, rollout, mask = _case(0)
+    w, m, met = rollout_correction(old, rollout, mask, **kw)
+    gw, gm, gmet = rollout_correction(old.cuda(), rollout.cuda(), mask.cuda(), **kw)
+    assert gm.is_cuda and torch.allclose(gm.cpu(), m)
+    assert (w is None) == (gw is None) and (w is None or torch.allclose(gw.cpu(), w, atol=1e-6))
+    assert gmet.keys() == met.keys() and all(gmet[k] == pytest.approx(met[k], rel=1e-5, abs=1e-9) for k in met)
 
 
 def test_some_rows_rejected_and_weights_detached() -> None:

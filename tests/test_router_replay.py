@@ -23,6 +23,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from spmd_rl.distributed.testing import run_distributed
+from support.devices import cuda
 
 CONFIG = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
               head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=128,
@@ -85,7 +86,7 @@ def test_without_the_flag_nothing_is_recorded(tmp_path: Path) -> None:
     assert g.routed_experts is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the decode step as a CUDA graph)")
+@cuda
 def test_records_made_inside_the_cuda_graph_equal_the_eager_step(tmp_path: Path) -> None:
     """bf16 on the GPU, greedy: the captured step records the same experts as the same step run eagerly,
     and they agree with Hugging Face's bf16 forward for nearly every token (kernels differ in the last bits)."""

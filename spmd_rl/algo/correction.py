@@ -68,7 +68,10 @@ class _Global:
             return {}
         counts = self.sum_weight > 0
         fill = {"sum": 0.0, "max": -math.inf, "min": math.inf}[op]
-        packed = torch.stack([v.double().reshape(()) if counts else torch.tensor(fill, dtype=torch.float64)
+        # the batch's tensors may live on a GPU and a count on the host: one device for the stack
+        dev = next(iter(values.values())).device
+        packed = torch.stack([v.double().reshape(()).to(dev) if counts else torch.tensor(fill, dtype=torch.float64,
+                                                                                        device=dev)
                               for v in values.values()]).cpu()
         if op == "sum":
             packed = packed * self.sum_weight
