@@ -11,7 +11,8 @@ mask: no record) and two micro-batches. Records are Hugging Face's own experts o
 * the forced records are honoured: log-probs move away from replay off, and equal the FSDP engine's
   with the same records (:mod:`spmd_rl.engine.routing`, the reference), as does the gradient norm of an
   update through the replayed gate weights, on 1 rank and on every 2-rank layout;
-* plan() accepts ``--actor.router-replay`` with ``--actor.engine megatron``.
+* plan() accepts ``--actor.router-replay`` with ``--actor.engine megatron``, and a 2-step run of
+  ``spmd_rl.train`` (tp 2 + sequence parallel) carries the records from the rollout to the actor.
 
 Run: ``python -m pytest tests/test_megatron_router_replay.py -q -s`` (``-s`` prints the differences).
 """
@@ -209,3 +210,20 @@ def test_plan_accepts_router_replay_with_the_megatron_engine() -> None:
     cfg.actor.engine = "megatron"
     cfg.actor.router_replay = True
     plan(cfg, 2, model_shape=ModelShape("a model", heads=4, kv_heads=2, layers=2, experts=8))
+
+
+def test_a_megatron_run_replays_the_recorded_experts(tmp_path) -> None:
+    """``spmd_rl.train`` on 2 processes with tp 2 + sequence parallel and the built-in rollout: the rows carry
+    the records to the megatron actor, which replays them in its log-prob and update forwards."""
+    from test_train_e2e import _check, launch, read_metrics
+
+    folder = moe_folder(tmp_path, tokenizer=True, mlp_only_layers=[], num_hidden_layers=2, num_key_value_heads=2)
+    out = str(tmp_path / "run")
+    _check(launch(out, "--model.path", folder, "--actor.router-replay", "--trainer.total-steps", "2",
+                  "--rollout.max-new-tokens", "6", "--algo.rollout-is", "token", "--actor.engine", "megatron",
+                  "--actor.megatron.tp", "2", "--actor.megatron.sequence-parallel", nproc=2,
+                  module="support.megatron_cpu_train"))
+    steps = [m for m in read_metrics(out) if "rollout_corr/kl" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    # fp32 rollout and trainer on the CPU, the same experts: the two log-probs agree to rounding
+    assert all(m["perf/router_replay_mb"] > 0 and abs(m["rollout_corr/kl"]) < 1e-5 for m in steps)
