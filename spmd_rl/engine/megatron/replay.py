@@ -2,8 +2,9 @@
 generated goes to the experts the rollout's router chose for it (:mod:`spmd_rl.engine.routing` is the
 FSDP engine's side and says why).
 
-    replay = MegatronRouterReplay(chunks, spec, config)   # the actor's chunks (GPTModel per vpp stage)
-    routes = replay.layout(grid_routes, held_cols=..., tp_rank=...)   # [B, W, layers, k] -> this rank's token order
+    replay = MegatronRouterReplay(chunks, layers=L, top_k=k, experts=E, config=tf_config)  # GPTModel per vpp stage
+    grid = grid_routes(micro, rows=B, width=W, starts=prompt_lengths)   # [B, W, L, k], -1: no record
+    routes = replay.layout(grid, held_cols=..., tp=..., tp_rank=..., sequence_parallel=...)  # this rank's order
     replay.set(i, routes)            # before chunk i's forward of a micro-batch; None: own logits
 
 Hook: megatron-core 0.16's ``TopKRouter`` keeps a ``router_replay`` object that
