@@ -11,11 +11,35 @@ checkpoint, docs/CHECKPOINTS.md) do not reach the shell or Slurm. Here:
   status is that worker's (a worker killed by signal N: 128 + N);
 * torchrun itself got a stop signal (SIGTERM, SIGINT, ... of ``--signals-to-handle``): it forwarded
   it and waited for its workers as usual (``--shutdown-timeout``); one line, status 128 + N.
+
+And one fix for elastic runs (``--nnodes MIN:MAX`` with MIN < MAX): a node that joins a running job
+must find the new round's ``MASTER_ADDR`` in the rendezvous store, which torch's c10d rendezvous
+(2.4 to 2.13 at least) writes only in a node's first round when it shares its TCP store with the
+workers; the node already at rank 0 never writes it again, and the newcomer waits until the
+rendezvous times out. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torch's own switch: a store of its own
+for the workers, found again every round) is set for elastic runs unless already set
+(``tests/test_elastic.py``: an agent joins, the world grows at the restart and the run goes on).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+
+NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def elastic(argv: list[str]) -> bool:
+    """Whether torchrun's ``argv`` asks for a range of nodes (``--nnodes MIN:MAX``, MIN < MAX), as torchrun's
+    own parser reads it (a malformed command is left for torchrun to report)."""
+    from torch.distributed.run import get_args_parser
+
+    try:
+        nnodes = str(get_args_parser().parse_known_args(argv)[0].nnodes)
+    except SystemExit:
+        return False
+    low, _, high = nnodes.partition(":")
+    return bool(high) and low != high
 
 
 def main() -> int:
@@ -23,6 +47,8 @@ def main() -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    if elastic(sys.argv[1:]):
+        os.environ.setdefault(NO_SHARED_STORE, "1")
     try:
         torchrun()
     except SignalException as e:
