@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from shapes import SHAPES, model_folder  # noqa: E402
+from shapes import model_folder  # noqa: E402
 
 from spmd_rl.algo import rollout_correction  # noqa: E402
 from spmd_rl.config import ActorConfig, FsdpConfig  # noqa: E402
@@ -35,10 +35,6 @@ from spmd_rl.distributed.env import DistEnv  # noqa: E402
 from spmd_rl.engine.fsdp import FSDPEngine  # noqa: E402
 from spmd_rl.rollout.native import NativeRollout  # noqa: E402
 
-SHAPES.setdefault("tiny-moe", dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
-                                   moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
-                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   tie_word_embeddings=False))
 
 
 def disagreement(engine: FSDPEngine, batch: RolloutBatch, micro: int) -> float:

@@ -42,6 +42,10 @@ SHAPES: dict[str, dict[str, object]] = {
                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                          num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                          tie_word_embeddings=False),
+    "tiny-moe": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
+                     moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     tie_word_embeddings=False),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }

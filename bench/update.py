@@ -47,7 +47,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shapes import default_root, model_folder, random_grpo_batch  # noqa: E402
+from shapes import SHAPES, default_root, model_folder, random_grpo_batch  # noqa: E402
 
 from spmd_rl.algo.objective import actor_objective  # noqa: E402
 from spmd_rl.config import ActorConfig, AlgoConfig, FsdpConfig  # noqa: E402
@@ -84,14 +84,19 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
     folder = model_folder(shape, root=args.models)
     dev, world = env.device, env.world_size
     engines = ([] if args.compile_only else [("", False)]) + ([("+compile", True)] if args.compile or args.compile_only else [])
+    # an MoE shape: one engine per experts implementation asked for (transformers' config._experts_implementation)
+    experts = args.experts if SHAPES[shape].get("num_experts") else [None]
+    engines = [(suffix + (f"+{e}" if e and len(experts) > 1 else ""), c, e) for suffix, c in engines for e in experts]
     rows_out: list[dict[str, object]] = []
-    for suffix, compile_layers in engines:
+    for suffix, compile_layers, experts_impl in engines:
         fsdp = FsdpConfig(reshard_after_forward=args.reshard_after_forward, compile_layers=compile_layers,
                           gather_once=args.gather_once, keep_logits_gib=args.keep_logits_gib,
                           wrap_one_rank=args.wrap_one_rank)
         engine = FSDPEngine(model_folder=folder, mesh=FsdpLayout(world).build(dev.type), device=dev, fsdp=fsdp,
                             actor=ActorConfig(lr=1e-6, grad_clip=1.0), total_updates=10 ** 6, trainable=True,
                             pad_token_id=0, use_packing=True, max_tokens_per_gpu=args.max_tokens_per_gpu)
+        if experts_impl is not None:
+            set_experts_implementation(engine.model, experts_impl)
         if args.eager_head:
             engine.fused_head = False
         if args.reduce_every_micro_batch:
@@ -304,6 +309,16 @@ def use_hf_norm_rope() -> None:
     attention.Rope.apply = staticmethod(hf_rope)
 
 
+def set_experts_implementation(model: torch.nn.Module, name: str) -> None:
+    """Every MoE experts module of ``model`` runs transformers' ``name`` implementation ("grouped_mm": the
+    tokens sorted by expert once, two grouped GEMMs; "eager": a loop over the experts that got tokens)."""
+    found = [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "config")]
+    if not found:
+        raise ValueError("--experts: the model has no transformers experts module")
+    for m in found:
+        m.config._experts_implementation = name
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -318,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2, help="timed steps (their median is reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (a small model's first ~10 steps "
                    "in a process run slower)")
+    p.add_argument("--experts", nargs="+", default=["grouped_mm"], choices=["grouped_mm", "eager", "batched_mm"],
+                   help="MoE shapes: transformers' experts implementation(s), one engine each")
     p.add_argument("--compile", action="store_true", help="also time the last layout with compiled decoder layers")
     p.add_argument("--compile-only", action="store_true", help="only the compiled layers (skips the eager layouts)")
     p.add_argument("--layouts", nargs="+", default=None, help="only these layouts (e.g. packed+flash)")
