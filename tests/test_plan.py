@@ -172,7 +172,7 @@ def test_partial_rollouts_and_streams_need_a_backend_that_can() -> None:
     back rows one by one; the registry says which can."""
     from types import SimpleNamespace
 
-    from spmd_rl.plan import check_in_flight
+    from spmd_rl.plan_rules import check_in_flight
 
     for flag, needs in (("partial", "continues responses under new weights"),
                         ("stream", "hands back each response as it finishes"),
