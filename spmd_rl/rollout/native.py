@@ -47,11 +47,10 @@ top-p filtering, in float32.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 import time
-from typing import Callable, Hashable, Iterable
+from typing import Callable, Hashable
 
 import torch
 from transformers import DynamicCache
@@ -63,27 +62,13 @@ from .fast import FastDecoder
 from .layers import Fused, unsupported_reason
 from .lengths import LengthDist, draw_lengths
 from .sampling import filter_logits, sample_next
-from .slots import free_bytes, size
 from .stream import Done, Feed, StreamEngine, run_stream
+from .weights import OwnTensor, RolloutWeights
 
 log = logging.getLogger("spmd_rl")
 
 
-class _Own:
-    """A parameter or buffer that owns its storage, as :class:`~spmd_rl.rollout.fast.Fused` presents its
-    tensors to ``sleep(2)`` / ``wake_up``."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.tensor.data]
-
-    def replace(self, tensors: list[torch.Tensor]) -> None:
-        self.tensor.data = tensors[0]
-
-
-class NativeRollout:
+class NativeRollout(RolloutWeights):
     """Rollout engine built on a plain Hugging Face causal LM (see the module docstring)."""
 
     def __init__(
@@ -132,7 +117,7 @@ class NativeRollout:
         # On the CPU a level-2 sleep drops the parameters (the host is the device: a host copy would be a
         # second copy): the ids of those not loaded since, and the storage units that gave their memory back
         self._dropped: set[int] = set()
-        self._dropped_units: list[Fused | _Own] = []
+        self._dropped_units: list[Fused | OwnTensor] = []
         # The fast path (spmd_rl/rollout/fast.py) reads the same parameters, so hot-swap reaches it too.
         self._fast: FastDecoder | None = None
         if fast_decode:
@@ -153,7 +138,7 @@ class NativeRollout:
         fused = self._fast.fused if self._fast is not None else []
         in_fused = {id(p) for unit in fused for p in unit.parameters()}
         unique = {id(t): t for t in self._targets.values() if id(t) not in in_fused}
-        self._storage: list[Fused | _Own] = [*fused, *(_Own(t) for t in unique.values())]
+        self._storage: list[Fused | OwnTensor] = [*fused, *(OwnTensor(t) for t in unique.values())]
 
     # ------------------------------------------------------------------ generation
 
@@ -402,132 +387,6 @@ class NativeRollout:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=cache, use_cache=True)
         return out.logits[:, -1].float()
-
-    # ------------------------------------------------------------------ weights and memory
-
-    @property
-    def needs_weights(self) -> bool:
-        """After a level-2 sleep on the CPU, until :meth:`load_weights` has written every parameter; never
-        on a GPU, where a level-2 sleep keeps the weights in host memory."""
-        return bool(self._dropped)
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy ``(hf_name, full_tensor)`` pairs into the model, casting dtype and device.
-
-        For tied embeddings either ``lm_head.weight`` or ``model.embed_tokens.weight`` may be sent
-        (or both); they are the same tensor here.
-        """
-        self._restore_storages()
-        self.forget_prefixes()  # K/V of the old weights
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                target = self._targets.get(name)
-                if target is None:
-                    valid = list(self._targets)
-                    raise KeyError(f"NativeRollout.load_weights: unknown weight {name!r}; the model has "
-                                   f"{len(valid)} names such as {valid[:4]}")
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"NativeRollout.load_weights: {name} has shape {tuple(tensor.shape)}, "
-                                     f"the rollout model expects {tuple(target.shape)}")
-                target.copy_(tensor)
-                self._dropped.discard(id(target))
-
-    def room_for_weights(self) -> str | None:
-        """None when one more copy of the weights fits in this device's free memory (a staged transfer,
-        ``rollout.stage_weights``), else what is missing, in words."""
-        free = free_bytes(self.device)
-        need = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        if free is None or need * 1.05 <= free:
-            return None
-        return f"a staging copy of the weights needs {size(need)}, {size(free)} is free"
-
-    def sleep(self, level: int) -> None:
-        """0: keep everything on the device (a no-op: the next rollout reuses the KV cache and the
-        captured CUDA graphs); 1: free the KV cache and the CUDA graphs; 2: also move the weights to
-        (pinned) host memory on a GPU, or drop them on the CPU (:meth:`needs_weights` until
-        :meth:`load_weights` writes them again: the trainer's next sync does).
-
-        The freed memory goes back to torch's caching allocator, where the colocated actor's passes
-        reuse it; the cache is not emptied to the driver, so the next rollout does not allocate afresh
-        (docs/PERF.md, "Sleep / wake"). The released graphs' private
-        pool stays reserved until torch empties its cache (it does so by itself before failing an
-        allocation)."""
-        if level not in (0, 1, 2):
-            raise ValueError(f"rollout.sleep_level must be 0, 1 or 2, got {level}")
-        if level == 0:
-            return
-        if self._fast is not None:
-            self._fast.release()
-        if level == 2 and self._sleep_level < 2 and self.device.type == "cpu":
-            self._drop_weights()
-        elif level == 2 and self._sleep_level < 2:
-            if self._host_copies is None:
-                pin = self.device.type == "cuda"
-                self._host_copies = [[torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                                      for t in unit.tensors()] for unit in self._storage]
-            for unit, hosts in zip(self._storage, self._host_copies):
-                for t, host in zip(unit.tensors(), hosts):
-                    host.copy_(t, non_blocking=True)
-            self._synchronize()
-            for unit, hosts in zip(self._storage, self._host_copies):
-                unit.replace(hosts)
-        self._sleep_level = max(self._sleep_level, level)
-
-    def wake_up(self) -> None:
-        """Bring the weights back to the device (after ``sleep(2)``) and reallocate the fast path's KV
-        cache (its CUDA graphs are recaptured on first use); a no-op when awake. On the CPU the weights a
-        level-2 sleep dropped must have been loaded first."""
-        if self._dropped:
-            names = [n for n, p in self.model.named_parameters() if id(p) in self._dropped]
-            raise RuntimeError(f"NativeRollout.wake_up: a level-2 sleep on the CPU dropped the weights and "
-                               f"{len(names)} parameter(s) were not loaded since, such as {names[:3]}; "
-                               "call load_weights with every parameter first")
-        if self._sleep_level == 2 and self.device.type != "cpu":
-            for unit in self._storage:
-                unit.replace([t.to(self.device, non_blocking=True) for t in unit.tensors()])
-            self._synchronize()
-        if self._sleep_level and self._fast is not None:
-            self._fast.restore()
-        self._sleep_level = 0
-
-    def _drop_weights(self) -> None:
-        """Give the weights' memory back: the tensors of every unit holding parameters (buffers stay: no
-        sync sends them) become one-element placeholders of their shapes; views and tied names follow,
-        as for the host copies of a GPU."""
-        params = {id(p) for p in self.model.parameters()}
-        self._dropped_units = [u for u in self._storage if isinstance(u, Fused) or id(u.tensor) in params]
-        for unit in self._dropped_units:
-            unit.replace([t.new_empty((1,) * t.dim()).expand(t.shape) for t in unit.tensors()])
-        self._dropped = params
-
-    def _restore_storages(self) -> None:
-        """Memory again for the weights :meth:`_drop_weights` gave back (uninitialised: loads fill it)."""
-        for unit in self._dropped_units:
-            unit.replace([torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in unit.tensors()])
-        self._dropped_units = []
-
-    def close(self) -> None:
-        if self._fast is not None:
-            self._fast.release()
-        self._targets, self._storage, self._host_copies, self._fast = {}, [], None, None
-        self.model = None  # type: ignore[assignment]
-        self._free_cached_memory()
-
-    def _check_awake(self, what: str) -> None:
-        if self.model is None:
-            raise RuntimeError(f"NativeRollout.{what}: the engine was closed")
-        if self._sleep_level:
-            raise RuntimeError(f"NativeRollout.{what}: the engine is asleep (level {self._sleep_level}); "
-                               "call wake_up() first")
-
-    def _synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _free_cached_memory(self) -> None:
-        if self.device.type == "cuda":
-            gc.collect()  # tensors held only by reference cycles go before the cache is emptied
-            torch.cuda.empty_cache()
 
 
 __all__ = ["NativeRollout", "filter_logits", "sample_next"]
