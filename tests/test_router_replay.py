@@ -282,3 +282,19 @@ def test_the_benchmark_runs_on_the_cpu(tmp_path: Path, capsys) -> None:
     assert off["tokens"] == on["tokens"] == 4 * 2 * 16
     assert on["logprob_abs_diff_max"] <= off["logprob_abs_diff_max"]
     assert "experts differ" in capsys.readouterr().out
+
+
+def test_records_that_do_not_fit_the_model_are_refused(tmp_path: Path) -> None:
+    from spmd_rl.engine.routing import RouterReplay
+
+    replay = RouterReplay(Qwen3MoeForCausalLM.from_pretrained(moe_folder(tmp_path)))
+    replay.check(torch.full((2, 3, MOE_LAYERS, TOP_K), -1, dtype=torch.int16))
+    with pytest.raises(ValueError, match=r"records of shape \(2, 3, 3, 2\) for a model of 2 MoE layers and top_k 2"):
+        replay.check(torch.zeros(2, 3, 3, TOP_K, dtype=torch.int16))
+    with pytest.raises(ValueError, match="expert 8 recorded, the model has 8"):
+        replay.check(torch.full((2, 3, MOE_LAYERS, TOP_K), 8, dtype=torch.int16))
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        RouterReplay(LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                                  num_attention_heads=4, vocab_size=50)))

@@ -261,6 +261,8 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
     def _stage(self, micro: RolloutBatch, rows: list[int] | None = None) -> Staged:
         """The micro-batch's forward inputs on the device (:mod:`spmd_rl.engine.inputs`); callers stage
         all their micro-batches before the first forward, so no host-to-device copy waits for the GPU."""
+        if self.replay is not None and "routed_experts" in micro:
+            self.replay.check(micro["routed_experts"])
         return stage(micro, device=self.device, pad_token_id=self.pad_token_id, packed=self.use_packing,
                      flash=self.flash_varlen, sp_size=self.sp_size, sp_rank=self.sp_rank, sp_group=self.sp_group,
                      rows=rows, routes=self.replay is not None)

@@ -2,6 +2,7 @@
 experts the rollout's router chose for it, whatever the trainer's own router would pick.
 
     replay = RouterReplay(model)       # every MoE layer's router of a Hugging Face model (ValueError if unlike Qwen3-MoE's)
+    replay.check(batch["routed_experts"])   # on the host: the records fit this model
     replay.set(routes)                 # [tokens of the forward's grid, MoE layers, top_k] int, -1: route by own logits
     out = model(input_ids=...)         # and the backward's recompute under gradient checkpointing
     replay.set(None)                   # every token by its own logits again
@@ -113,14 +114,21 @@ class RouterReplay:
 
         return forward
 
+    def check(self, records: torch.Tensor) -> None:
+        """A batch's ``routed_experts [B, T, MoE layers, top_k]`` (on the host, before staging: no device
+        sync) fit this model: its MoE layers, its top-k, its experts."""
+        if tuple(records.shape[2:]) != (len(self.routers), self.top_k):
+            raise ValueError(f"router replay: records of shape {tuple(records.shape)} for a model of "
+                             f"{len(self.routers)} MoE layers and top_k {self.top_k}")
+        if records.numel() and int(records.max()) >= self.experts:
+            raise ValueError(f"router replay: expert {int(records.max())} recorded, the model has {self.experts}")
+
     def set(self, routes: torch.Tensor | None) -> None:
         """The experts of the next forwards (and their recompute): ``[tokens, MoE layers, top_k]`` in the
         order the model flattens its input (rows, then columns), -1 rows route by own logits; None: all."""
         if routes is not None and tuple(routes.shape[1:]) != (len(self.routers), self.top_k):
             raise ValueError(f"router replay: routes of shape {tuple(routes.shape)} for a model of "
                              f"{len(self.routers)} MoE layers and top_k {self.top_k}")
-        if routes is not None and int(routes.max()) >= self.experts:
-            raise ValueError(f"router replay: expert {int(routes.max())} recorded, the model has {self.experts}")
         self.routes = routes
 
 
