@@ -3,9 +3,10 @@
 Commands come from the fenced ```bash blocks of README.md and docs/*.md (``\\`` continuations
 joined) and from the usage examples in the module docstrings of ``spmd_rl`` and the header comments
 of ``launch/*.sh``. The cheap ones -- the layout tool (``python -m spmd_rl.layout``,
-``spmd-rl-layout``, ``launch/check_layout.sh``) and any ``--help`` -- run from the repository root
-and must exit 0; every other command (training under torchrun, installs, Slurm jobs, benchmarks,
-...) is listed as a skipped case with the rule that skips it.
+``spmd-rl-layout``, ``launch/check_layout.sh``), any ``--help`` and the benchmarks' CPU runs of a
+few seconds (:data:`CPU_BENCH`) -- run from the repository root and must exit 0; every other command
+(training under torchrun, installs, Slurm jobs, other benchmarks, ...) is listed as a skipped case
+with the rule that skips it.
 
 Also: ``.ci/run`` runs the README's install line and test command exactly as written.
 """
@@ -128,6 +129,14 @@ def all_commands() -> list[Command]:
     return out
 
 
+CPU_BENCH = {  # benchmark commands the docs give as CPU runs of a few seconds: script and arguments
+    ("bench/router_replay.py",),          # the tiny MoE
+    ("bench/memory.py", "--tiny"),        # the estimate of the tiny shape
+    ("bench/lora_memory.py", "--tiny"),   # full vs LoRA on the tiny shape
+}
+CPU_BENCH_ANY_ARGS = {"bench/async_sim.py"}  # a schedule simulation: no model at all
+
+
 def why_not_run(argv: list[str]) -> str | None:
     """None for a cheap command (run it), else the rule that skips it."""
     if not argv:
@@ -138,6 +147,9 @@ def why_not_run(argv: list[str]) -> str | None:
     if ("--help" in argv or "-h" in argv) and (module or "").startswith("spmd_rl."):
         return None
     if ("--help" in argv or "-h" in argv) and argv[0].startswith("launch/"):
+        return None
+    if argv[0] in ("python", "python3") and len(argv) > 1 and (tuple(argv[1:]) in CPU_BENCH
+                                                               or argv[1] in CPU_BENCH_ANY_ARGS):
         return None
     if argv[0] == "pip" or module == "pip":
         return "installs packages"
@@ -172,6 +184,9 @@ def test_the_documented_examples_are_found() -> None:
     # the layout examples of each of these must be found (a broken extraction would silently run nothing)
     assert {"README.md", "docs/LAUNCH.md", "spmd_rl/layout.py", "launch/check_layout.sh"} <= run, run
     assert any(c.argv[:3] == ["python", "-m", "spmd_rl.train"] and "--help" in c.argv for c in COMMANDS)
+    # each of the benchmarks' CPU runs is still in the docs as written here
+    found = {tuple(c.argv[1:]) for c in COMMANDS if why_not_run(c.argv) is None and c.argv[0].startswith("python")}
+    assert CPU_BENCH <= found, CPU_BENCH - found
 
 
 @pytest.mark.parametrize("command", CASES)
