@@ -203,7 +203,11 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
         self.fused_head = fused_available(self.device)  # compiled vocabulary kernels on CUDA (engine/head.py)
         self.keep_logits_bytes = keep_logits_bytes(fsdp.keep_logits_gib, self.device)
         if gradient_checkpointing and self.trainable:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # newer transformers call it activation_checkpointing_enable and warn on the old name
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self.trainable:
             model.requires_grad_(False)
         self.lora = lora if lora is not None and lora.enabled and self.trainable else None
