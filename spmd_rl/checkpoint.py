@@ -66,7 +66,8 @@ import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 from spmd_rl.checkpoint_files import (
-    CHECKPOINTS, FORMAT_VERSION, LATEST, MANIFEST, MARKER, STEP_PREFIX, TMP_PREFIX, CorruptCheckpoint,
+    CHECKPOINTS, FORMAT_VERSION, LATEST, MANIFEST, MARKER, STEP_PREFIX, TMP_PREFIX, CheckpointMismatch,
+    CorruptCheckpoint,
     SafeLoadPlanner, describe_differences, describe_files, folder_bytes, fsync_dir, is_complete,
     latest_checkpoint, list_checkpoints, lock_output_dir, manifest_problems, read_meta, resolve_checkpoint,
     rng_state, set_aside_metrics, set_rng_state, step_of, structure_problems, truncate_metrics, unlock_output_dir,
@@ -83,6 +84,10 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msg
 _NOT_COPIED = {"model.safetensors.index.json", "pytorch_model.bin.index.json", ".spmd_rl_complete"}
 _UNVERIFIED: set[str] = set()  # checkpoints without a manifest already warned about (once each)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+ELSEWHERE = "give a new --trainer.output-dir, or --checkpoint.resume never to start over here"
+"""What a run whose checkpoint cannot resume it can do instead (in :class:`CheckpointMismatch` messages)."""
 
 
 class Stateful(Protocol):
@@ -269,7 +274,8 @@ class Checkpointer:
         saved = set(meta.get("components", []))
         missing = sorted(set(self.components) - saved - self.optional)
         if missing:
-            raise ValueError(f"checkpoint {self.source} has no state for {missing}; it holds {meta.get('components')}")
+            raise CheckpointMismatch(f"checkpoint {self.source} has no state for {missing} (it holds "
+                                     f"{meta.get('components')}); {ELSEWHERE}")
         loading = {name: comp for name, comp in self.components.items() if name in saved}
         states = {name: comp.state_dict() for name, comp in loading.items()}
         try:
@@ -278,7 +284,11 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:  # DCP's error is a BaseException, raised on every rank
             raise RuntimeError(f"loading checkpoint {self.source} failed: {_describe(e)}") from e
         for name, comp in loading.items():
-            comp.load_state_dict(states[name])
+            try:
+                comp.load_state_dict(states[name])
+            except ValueError as e:  # the sampler's prompt data or seed, say: this run is not the one that saved
+                raise CheckpointMismatch(f"checkpoint {self.source} does not fit this run: {e}; resume with the "
+                                         f"settings it was saved with, or {ELSEWHERE}") from e
         rng_file = self.source / "rng" / f"rank_{self.rank}.json"
         if rng_file.is_file():
             try:

@@ -394,6 +394,11 @@ class CorruptCheckpoint(ValueError):
     """A checkpoint whose files do not match what its save wrote, or that a resume cannot parse."""
 
 
+class CheckpointMismatch(ValueError):
+    """A sound checkpoint that does not fit this run: a component it lacks (e.g. a critic), prompt data or a
+    seed other than the ones it was saved with."""
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

@@ -165,9 +165,9 @@ def run_trainer(cfg: Config, env: DistEnv, groups: RunGroups, run_plan: Any, wat
     return code
 
 
-USER_ERRORS = ("OutputDirInUse", "CorruptCheckpoint", "RewardError")
+USER_ERRORS = ("OutputDirInUse", "CorruptCheckpoint", "CheckpointMismatch", "RewardError")
 """What an expected user error is raised as (by name, also when another rank raised it): an output
-folder in use, a corrupt checkpoint, a reward function that fails."""
+folder in use, a corrupt checkpoint, one that does not fit this run, a reward function that fails."""
 SETUP_ERRORS = USER_ERRORS + ("ValueError", "OSError", "FileNotFoundError", "IsADirectoryError", "NotADirectoryError",
                               "PermissionError", "JSONDecodeError", "UnicodeDecodeError")
 """...and while the trainer is built (before the first step), what a bad data file, model path or

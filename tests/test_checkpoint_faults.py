@@ -560,3 +560,14 @@ def test_total_steps_below_the_checkpoint_is_one_line(saved_run, tmp_path):
     line = _one_line(torchrun(run, "--trainer.total-steps", "3"))
     assert "is at step 4, past trainer.total_steps=3" in line, line
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_checkpoint_of_another_run_is_one_line(saved_run, tmp_path):
+    """Resuming with other prompt data, or with a critic the checkpoint has no state for: one line naming
+    what differs and what to do, status 2, on every rank."""
+    run = tmp_path / "copy"
+    shutil.copytree(saved_run, run, ignore=shutil.ignore_patterns(LOCK))
+    line = _one_line(torchrun(run, "--trainer.total-steps", "6", "--data.val-size", "5"))
+    assert "CheckpointMismatch" in line and "the prompt data" in line and "--checkpoint.resume never" in line, line
+    line = _one_line(torchrun(run, "--trainer.total-steps", "6", "--algo.adv-estimator", "gae"))
+    assert "CheckpointMismatch" in line and "has no state for ['critic']" in line, line
