@@ -1,8 +1,7 @@
 """The OpenAI-compatible endpoint for black-box agents (spmd_rl/episodes/agent.py), on CPU with a
 tiny random model: the ``openai`` client drives a 2-turn agent, its tokens are the episode's
 (the replies it read are the model's tokens decoded, the follow-up only appended) and the actor's
-log-probs of them equal the rollout's (the follow-ups prefilled over their first turn's parked K/V);
-bad requests get HTTP errors with a message while the round
+log-probs of them equal the rollout's; bad requests get HTTP errors with a message while the round
 goes on; under ``spmd_rl.train`` the agent's episodes are trained on, colocated and on a rollout pool."""
 
 from __future__ import annotations
@@ -57,16 +56,14 @@ def _run(rank: int, world_size: int) -> dict:
     folder, tok, eos, pad, engine = tiny_rollout()
     runner = AgentRunner(load_agent("support.agents:two_turns"), tokenizer=tok, eos_ids=eos, max_turns=4,
                          max_tokens=64, workers=4, skip_errors=False)
-    reused = engine.reused_tokens
     out = runner.run(engine, [{"answer": "7"}, {"answer": "12"}], n=2, sampling=SAMPLING)
-    reused = engine.reused_tokens - reused
     logprobs = actor_logprobs(out, folder, pad)
     model_texts = [[tok.decode(ids[(mask == 1) & (seg == k)].tolist(), skip_special_tokens=True) for k in (0, 1)]
                    for ids, mask, seg in zip(out["response_ids"], out["response_mask"], _turn_of(out))]
     bad = AgentRunner(bad_requests, tokenizer=tok, eos_ids=eos, max_turns=4, max_tokens=64, workers=1,
                       skip_errors=False)
     bad_out = bad.run(engine, [{"answer": "1"}], n=1, sampling=SAMPLING)
-    return {"out": out, "reused": reused, "logprobs": logprobs, "seen": agents.SEEN, "texts": model_texts, "errors": ERRORS,
+    return {"out": out, "logprobs": logprobs, "seen": agents.SEEN, "texts": model_texts, "errors": ERRORS,
             "bad_reward": bad_out["env_reward"].tolist()}
 
 
@@ -85,9 +82,6 @@ def test_the_openai_client_drives_a_two_turn_agent_and_its_tokens_are_trained_on
     assert (model * context).sum() == 0 and context.sum() > 0
     assert sorted(tuple(s["replies"]) for s in got["seen"]) == sorted(tuple(t) for t in got["texts"])
     assert all(s["usage"][k] <= 5 for s in got["seen"] for k in (0, 1))  # max_tokens honoured
-    # the follow-ups prefilled only their new tokens (their first turn's K/V was parked under their
-    # episode), and the log-probs sampled over that K/V are still the actor's
-    assert got["reused"] > 0
     gap = ((got["logprobs"] - out["logprobs"]).abs() * model).max().item()
     assert gap < 1e-5, gap
     codes = [code for code, _ in got["errors"]]

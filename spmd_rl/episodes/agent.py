@@ -108,10 +108,8 @@ class AgentRunner:
     """Plays a round's episodes with an agent function through the endpoint (module docstring)."""
 
     def __init__(self, agent: Agent, *, tokenizer: Any, eos_ids: list[int], max_turns: int, max_tokens: int,
-                 workers: int, skip_errors: bool, host: str = "127.0.0.1", timeout_s: float = 600.0,
-                 reuse_prefixes: bool = True) -> None:
+                 workers: int, skip_errors: bool, host: str = "127.0.0.1", timeout_s: float = 600.0) -> None:
         self.agent, self.tokenizer, self.eos_ids = agent, tokenizer, list(eos_ids)
-        self.reuse_prefixes = reuse_prefixes  # a continuing request prefills only its new tokens
         self.max_turns, self.max_tokens, self.workers = max_turns, max_tokens, workers
         self.skip_errors, self.host, self.timeout_s = skip_errors, host, timeout_s
         self.native_tools = supports_tools(tokenizer)
@@ -163,13 +161,8 @@ class AgentRunner:
             e.seconds += time.perf_counter() - start
 
     def _serve(self, engine: Any, agents: list[Future], sampling: dict) -> None:
-        """Generates what the agents ask for until every agent returned. Rows are keyed by their episode's
-        session (one request at a time each), so a request that continues its episode's tokens prefills
-        only its new ones where the K/V its previous turn left is still parked (prefix reuse, as the
-        episode runner's); a request that rewrote the history is prefilled whole."""
+        """Generates what the agents ask for until every agent returned."""
         live: dict[int, Request] = {}
-        forget = getattr(engine, "forget_prefixes", lambda *keys: None)
-        forget()  # the keys below are this round's sessions
 
         def feed(k: int) -> list[tuple[int, list[int]]]:
             out = []
@@ -178,8 +171,8 @@ class AgentRunner:
                     request = self.pending.get_nowait()
                 except queue.Empty:
                     break
-                live[id(request.session)] = request
-                out.append((id(request.session), request.tokens))
+                live[id(request)] = request
+                out.append((id(request), request.tokens))
             return out
 
         def done(key: int, tokens: torch.Tensor, logprobs: torch.Tensor, swaps: torch.Tensor, truncated: bool) -> None:
@@ -196,9 +189,8 @@ class AgentRunner:
                 continue
             engine.stream(feed=feed, done=done, max_prompt_length=self._longest(), temperature=sampling["temperature"],
                           top_p=sampling["top_p"], top_k=sampling["top_k"], max_new_tokens=sampling["max_new_tokens"],
-                          seed=sampling["seed"] + 7919 * calls, keep_prefixes=self.reuse_prefixes)
+                          seed=sampling["seed"] + 7919 * calls)
             calls += 1
-        forget()  # the round's parked K/V: its slots are free for the next round
         for f in agents:
             f.result()  # an agent that raised: its error, with the row
 
