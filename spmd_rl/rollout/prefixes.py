@@ -10,10 +10,23 @@ parked is prefilled from there on, not from its first token (multi-turn episodes
 
 What a parked slot holds: a row that finished wrote the K/V of its prompt and of every token it
 sampled but the last (the last one is never fed back), from its padding on: the prompt + all tokens
-but the last, ``wpos - pad`` of them. A parked slot is a free slot: a new row takes an empty slot
-first, then the longest-parked one, which evicts it. A compaction moves parked rows with their K/V
-and keeps them inside the batch bucket; a fill, a new cache and :meth:`PrefixCache.forget_prefixes` (new weights) drop
-what is parked there.
+but the last, ``wpos - pad`` of them. A row fed with its own cap (``(key, ids, most new tokens)``)
+stops there, so what it parks is exactly what its caller keeps of it.
+
+What is parked stays until one of these, and nothing else, drops it; so a caller that keeps at most
+as many keys under way as the stream has slots (the episode runner, the agent endpoint) finds every
+prefix it did not drop itself, whatever the timing:
+
+* :meth:`PrefixCache.forget_prefixes`: the caller says the key will not be fed again (its episode
+  ended), or drops everything (new weights, the end of a round); :meth:`release` (sleep) too;
+* the key is fed again with ids that do not extend the parked ones: prefilled whole, in an empty slot;
+* memory is needed: a new row takes an empty slot of the largest batch bucket first (the bucket grows
+  for it, counting parked rows as taken), and only when every slot there is live or parked the
+  longest-parked one (least recently parked first); a ``generate`` call's rows take slots in order.
+
+It survives the end of a stream call and the next call (its counters are restored at the call's
+start), a compaction (parked rows move with their K/V and stay inside the bucket) and a cache that
+grows for longer rows (the parked rows' K/V is copied into the new cache).
 
 The extension (:meth:`PrefixCache._extend`) runs the new tokens of each resumed row at the slots after
 its parked prefix, attending to the prefix and causally to themselves (right-padded to the group's
@@ -112,6 +125,20 @@ class PrefixCache(SlotCache):
     def _allocate(self, rows: int, slots: int, out_rows: int) -> None:
         super()._allocate(rows, slots, out_rows)
         self.forget_prefixes()
+
+    def _ensure_cache(self, rows: int, slots: int, out_rows: int) -> None:
+        """As :meth:`SlotCache._ensure_cache`; a cache that grows keeps what is parked: the parked rows'
+        K/V (up to their longest prefix) are copied aside, then into the same slots of the new cache."""
+        fits = self.cache is not None and all(a >= b for a, b in zip(self._shape, (rows, slots, out_rows)))
+        if fits or self.cache is None or not self.parked:
+            return super()._ensure_cache(rows, slots, out_rows)
+        parked = dict(self.parked)
+        at = torch.tensor([p.slot for p in parked.values()], device=self.device)
+        end = max(p.pad + len(p.ids) for p in parked.values())
+        kept = self.cache[:, :, at, :end].clone()  # a copy: the old cache is freed before the new one
+        super()._ensure_cache(rows, slots, out_rows)  # a new cache, and nothing parked
+        self.cache[:, :, at, :end] = kept
+        self.parked = parked
 
     def _start_call(self, *, temperature: float, eos: torch.Tensor) -> int:
         """As :meth:`SlotCache._start_call`; a parked slot keeps writing (as a spare) past its prefix."""

@@ -353,11 +353,21 @@ class SlotStream:
             fast._row_of[torch.tensor(ended, device=fast.device)] = spare
         return finished, row_of, top
 
+    def wanted(self, n_live: int) -> int:
+        """Slots the ``n_live`` live rows, the queued ones and the parked prefixes they do not resume
+        need: a queued row takes an empty slot before a parked one, so the bucket grows for it."""
+        held = 0
+        if self.keep and self.fast.parked:
+            resumed = {self.keys[h] for h in self.queue} & self.fast.parked.keys()
+            held = len(self.fast.parked) - len(resumed)
+        return n_live + len(self.queue) + held
+
     def grow(self, cur: int, n_live: int, finished: list[int], spare: int) -> int:
-        """Rows came after a compaction: the bucket that holds them; its new slots start finished
-        (appended to ``finished``) and pointing at ``spare``. Returns the new bucket."""
+        """Rows came after a compaction: the bucket that holds them and the parked prefixes
+        (:meth:`wanted`); its new slots start finished (appended to ``finished``) and pointing at
+        ``spare``. Returns the new bucket."""
         fast = self.fast
-        grown = fast.bucket(min(self.cap, n_live + len(self.queue)))
+        grown = fast.bucket(min(self.cap, self.wanted(n_live)))
         fast._finished[cur:grown] = True
         fast._row_of[cur:grown] = spare
         finished += [1] * (grown - cur)

@@ -2,7 +2,7 @@
 moment it finishes (``rollout.stream``, asynchronous GRPO's groups in flight).
 
     def feed(k):              # up to k new rows now (never blocks): [(key, prompt ids), ...]
-        ...
+        ...                   # or (key, prompt ids, most new tokens): that row stops there
     def done(key, tokens, logprobs, swaps, truncated):   # one finished row (CPU tensors)
         ...
     engine.stream(feed=feed, done=done, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=256,
@@ -42,8 +42,9 @@ from .slots import SlotStream
 if TYPE_CHECKING:
     from .fast import FastDecoder
 
-Feed = Callable[[int], list[tuple[Hashable, list[int]]]]
-"""``feed(k)``: at most ``k`` new rows, ``(key, prompt ids)``; never blocks (empty: none now)."""
+Feed = Callable[[int], list[tuple[Hashable, list[int]] | tuple[Hashable, list[int], int]]]
+"""``feed(k)``: at most ``k`` new rows, ``(key, prompt ids)`` or ``(key, prompt ids, most new tokens)``
+(a row's own cap, at least 1; the stream's ``max_new_tokens`` caps it too); never blocks (empty: none now)."""
 Done = Callable[[Hashable, torch.Tensor, torch.Tensor, torch.Tensor, bool], None]
 """``done(key, tokens, logprobs, swaps, truncated)``: a finished row, its response on the CPU."""
 
@@ -108,7 +109,10 @@ def run_stream(engine: StreamEngine, *, feed: Feed, done: Done, temperature: flo
                 engine.length_dist, count=len(new), low=min(engine.min_new_tokens, max_new_tokens),
                 high=max_new_tokens, seed=seed + drawn[0]))
             drawn[0] += len(new)
-            for (key, prompt), limit in zip(new, limits):
+            for (key, prompt, *cap), limit in zip(new, limits):
+                if cap and not (isinstance(cap[0], int) and cap[0] >= 1):
+                    raise ValueError(f"stream: a row's most new tokens must be a positive integer, got {cap[0]!r}")
+                limit = min([limit, *cap])
                 if len(prompt) > max_prompt_length:
                     raise ValueError(f"stream: a prompt of {len(prompt)} tokens is longer than the stream's "
                                      f"max_prompt_length ({max_prompt_length})")
@@ -189,7 +193,7 @@ def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hasha
         n_live = cur - sum(finished)
         if not rows.queue and n_live < rows.cap:
             rows.pull(rows.cap - n_live)
-        if rows.queue and n_live + len(rows.queue) > cur and cur < rows.cap:
+        if rows.queue and rows.wanted(n_live) > cur and cur < rows.cap:
             cur = rows.grow(cur, n_live, finished, spare)
         free_slots = [s for s in range(cur) if finished[s]]
         if rows.queue and (n_live == 0 or len(free_slots) >= max(1, int(cur * fast.refill_fraction))):
