@@ -18,8 +18,18 @@ reply come back as ``tool_calls``.
 Token-in / token-out: when a request's messages start with the episode's conversation so far (its
 earlier messages and the replies the endpoint gave), only the new messages are tokenized and
 appended to the episode's exact tokens; the model's tokens are never encoded again. An agent that
-rewrites its history starts the episode's tokens anew (``agent/restarts``); the episode trains on its
+rewrites its history starts the episode's tokens anew (``agent_restarts``); the episode trains on its
 last unbroken conversation. A bad request gets an HTTP error with a message, never a crash.
+
+Prefix reuse (``reuse_prefixes``, on by default): a request is fed to the stream under its episode's key
+with its own ``max_tokens`` as the row's cap, so the K/V its turn leaves parked (the request's tokens and
+every reply token but the last, :mod:`spmd_rl.rollout.prefixes`) is exactly the start of the episode's
+next request, which then prefills only its new tokens. An episode holds one slot from its first request
+until its agent returns (then its parked K/V is dropped), and at most ``rollout.batch_size`` episodes
+hold one at a time: a new episode's first request waits for an episode to end, so no episode's parked
+prefix is ever taken by another's row, whatever the order in which requests arrive, and every
+follow-up that continues its episode's tokens reuses them, in the same stream call or a later one. A
+follow-up that does not (a rewritten history) is prefilled whole.
 """
 
 from __future__ import annotations
@@ -81,11 +91,15 @@ def _arguments(call: dict) -> Any:
 
 @dataclass
 class Request:
-    """One chat completion waiting for the engine."""
+    """One chat completion waiting for the engine: its tokens, and what it changes in its episode once
+    answered (``context``: the new messages' tokens after the episode's; ``restart``: a new prompt and
+    framing, the episode's tokens start again)."""
 
     session: "Session"
     tokens: list[int]
     max_new: int
+    context: list[int] = field(default_factory=list)
+    restart: tuple[list[int], TurnFraming] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     reply: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -97,19 +111,23 @@ class Session:
     """One episode's conversation on the endpoint: its messages so far (normalized) and tokens."""
 
     episode: Episode
+    key: str = ""
     framing: TurnFraming | None = None
     history: list[tuple] = field(default_factory=list)
     last_reply: list[int] = field(default_factory=list)
     restarts: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    inflight: Request | None = None  # a request that timed out and is still in the engine
 
 
 class AgentRunner:
     """Plays a round's episodes with an agent function through the endpoint (module docstring)."""
 
     def __init__(self, agent: Agent, *, tokenizer: Any, eos_ids: list[int], max_turns: int, max_tokens: int,
-                 workers: int, skip_errors: bool, host: str = "127.0.0.1", timeout_s: float = 600.0) -> None:
+                 workers: int, skip_errors: bool, host: str = "127.0.0.1", timeout_s: float = 600.0,
+                 reuse_prefixes: bool = True) -> None:
         self.agent, self.tokenizer, self.eos_ids = agent, tokenizer, list(eos_ids)
+        self.reuse_prefixes = reuse_prefixes  # a follow-up prefills only its new tokens (module docstring)
         self.max_turns, self.max_tokens, self.workers = max_turns, max_tokens, workers
         self.skip_errors, self.host, self.timeout_s = skip_errors, host, timeout_s
         self.native_tools = supports_tools(tokenizer)
@@ -127,13 +145,13 @@ class AgentRunner:
         base = f"http://{self.host}:{server.server_address[1]}"
         try:
             with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="spmd_rl-agent") as pool:
-                futures = []
+                futures = {}
                 for e in episodes:
                     key = uuid.uuid4().hex[:12]
-                    self.sessions[key] = Session(episode=e)
+                    self.sessions[key] = Session(episode=e, key=key)
                     client = OpenAI(base_url=f"{base}/e/{key}/v1", api_key="spmd_rl", max_retries=0,
                                     timeout=self.timeout_s)
-                    futures.append(pool.submit(self._drive, e, client))
+                    futures[pool.submit(self._drive, e, client)] = key
                 self._serve(engine, futures, sampling)
         finally:
             server.shutdown()
@@ -160,37 +178,81 @@ class AgentRunner:
             e.done = True
             e.seconds += time.perf_counter() - start
 
-    def _serve(self, engine: Any, agents: list[Future], sampling: dict) -> None:
-        """Generates what the agents ask for until every agent returned."""
-        live: dict[int, Request] = {}
+    def _serve(self, engine: Any, agents: dict[Future, str], sampling: dict) -> None:
+        """Generates what the agents ask for until every agent returned (``agents``: each one's episode
+        key). Rows are keyed by episode; with prefix reuse at most ``engine.batch_size`` episodes hold a
+        slot at a time (module docstring), an episode's first request waiting meanwhile."""
+        keep = self.reuse_prefixes
+        slots = getattr(engine, "batch_size", None) if keep else None
+        forget = getattr(engine, "forget_prefixes", lambda *keys: None)
+        forget()  # the keys below are this round's episodes
+        running = dict(agents)  # the agents that have not returned
+        open_keys = set(running.values())
+        waiting: list[Request] = []  # arrived, not fed yet, in arrival order
+        holding: set[str] = set()  # episodes whose first request was fed and whose agent runs
+        live: dict[str, Request] = {}
+        call = {"longest": 0, "full": False}  # this stream call's longest row; a row did not fit
 
-        def feed(k: int) -> list[tuple[int, list[int]]]:
-            out = []
-            while len(out) < k:
+        def arrivals() -> None:
+            while True:
                 try:
-                    request = self.pending.get_nowait()
+                    waiting.append(self.pending.get_nowait())
                 except queue.Empty:
                     break
-                live[id(request)] = request
-                out.append((id(request), request.tokens))
+            for f in [f for f in running if f.done()]:  # an episode ended: its slot is empty again
+                key = running.pop(f)
+                open_keys.discard(key)
+                if key in holding and key not in live:  # (a row that timed out still holds it until done)
+                    holding.discard(key)
+                    forget(key)
+            waiting[:] = [r for r in waiting if r.session.key in open_keys]  # nobody waits for the rest
+
+        def admitted(request: Request) -> bool:
+            return slots is None or request.session.key in holding or len(holding) < slots
+
+        def feed(k: int) -> list[tuple[str, list[int], int]]:
+            arrivals()
+            out = []
+            for request in list(waiting):
+                if len(out) >= k or call["full"]:
+                    break
+                if not admitted(request):
+                    continue  # a new episode waits for one to end
+                if len(request.tokens) > call["longest"]:
+                    call["full"] = True  # the stream ends, and the next call is sized for it
+                    break
+                key = request.session.key
+                holding.add(key)
+                waiting.remove(request)
+                live[key] = request
+                out.append((key, request.tokens, request.max_new))
             return out
 
-        def done(key: int, tokens: torch.Tensor, logprobs: torch.Tensor, swaps: torch.Tensor, truncated: bool) -> None:
+        def done(key: str, tokens: torch.Tensor, logprobs: torch.Tensor, swaps: torch.Tensor, truncated: bool) -> None:
             request = live.pop(key)
-            request.reply, request.logprobs = tokens.tolist()[:request.max_new], logprobs.tolist()[:request.max_new]
-            request.truncated = truncated or len(tokens) > request.max_new
+            request.reply, request.logprobs, request.truncated = tokens.tolist(), logprobs.tolist(), truncated
             request.done.set()
+            if key not in open_keys:  # its agent returned while it was generated (it timed out)
+                holding.discard(key)
+                forget(key)
 
         calls = 0
-        while not all(f.done() for f in agents) or not self.pending.empty():
-            try:  # wait for the first request (or for the agents to finish)
-                self.pending.put(self.pending.get(timeout=0.05))
-            except queue.Empty:
+        while True:
+            arrivals()
+            if not any(admitted(r) for r in waiting):
+                if not running and not waiting:
+                    break
+                try:  # wait for a request (or for an agent to return)
+                    waiting.append(self.pending.get(timeout=0.05))
+                except queue.Empty:
+                    pass
                 continue
-            engine.stream(feed=feed, done=done, max_prompt_length=self._longest(), temperature=sampling["temperature"],
+            call["longest"], call["full"] = max([self._longest()] + [len(r.tokens) for r in waiting]), False
+            engine.stream(feed=feed, done=done, max_prompt_length=call["longest"], temperature=sampling["temperature"],
                           top_p=sampling["top_p"], top_k=sampling["top_k"], max_new_tokens=sampling["max_new_tokens"],
-                          seed=sampling["seed"] + 7919 * calls)
+                          seed=sampling["seed"] + 7919 * calls, keep_prefixes=keep)
             calls += 1
+        forget()  # the round's parked K/V: its slots are free for the next round
         for f in agents:
             f.result()  # an agent that raised: its error, with the row
 
@@ -205,44 +267,50 @@ class AgentRunner:
             raise BadRequest(f"no episode {key!r} on this endpoint (its round may have ended)", 404)
         messages, tools, max_new = _read_request(body)
         with session.lock:
+            if session.inflight is not None and not session.inflight.done.wait(self.timeout_s):
+                raise BadRequest(f"the episode's previous request is still generated after agent.timeout_s="
+                                 f"{self.timeout_s}", 504)
+            session.inflight = None  # answered late: its reply is not the episode's
             e = session.episode
             if e.turns >= self.max_turns or len(e.tokens) >= self.max_tokens:
                 raise BadRequest(f"the episode has reached its limit (env.max_turns={self.max_turns}, "
                                  f"env.max_tokens={self.max_tokens}): end it", 400)
-            tokens = self._prompt(session, messages, tools)
-            request = Request(session, tokens, max_new=min(max_new, self.max_tokens - len(e.tokens)))
+            request = self._prompt(session, messages, tools, max_new)
             self.pending.put(request)
             if not request.done.wait(self.timeout_s):
+                session.inflight = request
                 raise BadRequest(f"no reply within agent.timeout_s={self.timeout_s}", 504)
             self._record(session, messages, request)
         return _response(decode_tokens(self.tokenizer, [request.reply])[0], request, tools=bool(tools))
 
-    def _prompt(self, session: Session, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        """The episode's tokens for this request: its exact tokens so far plus the new messages, or
-        a new conversation when the request does not continue the episode's."""
+    def _prompt(self, session: Session, messages: list[dict], tools: list[dict] | None, max_new: int) -> Request:
+        """The request for ``messages``: the episode's exact tokens so far plus the new messages, or a
+        new conversation when they do not continue the episode's; the episode changes when it is
+        answered (:meth:`_record`)."""
         e = session.episode
         seen = [_normalized(m) for m in messages]
         if session.history and seen[:len(session.history)] == session.history and len(seen) > len(session.history):
-            new = messages[len(session.history):]
-            more = session.framing.after(session.last_reply, new)
-            e.tokens += more
-            e.model += [0] * len(more)
-            e.logprobs += [0.0] * len(more)
-            return e.prompt + e.tokens
-        if session.history:  # the agent rewrote its history: this episode's tokens start again
-            session.restarts += 1
-            e.tokens, e.model, e.logprobs = [], [], []
+            more = session.framing.after(session.last_reply, messages[len(session.history):])
+            room = self.max_tokens - len(e.tokens) - len(more)
+            if room < 1:
+                e.truncated = True
+                raise BadRequest(f"the new messages leave no room for a reply within env.max_tokens="
+                                 f"{self.max_tokens}: end the episode", 400)
+            return Request(session, e.prompt + e.tokens + more, max_new=min(max_new, room), context=more)
         native = bool(tools) and self.native_tools
-        session.framing = TurnFraming(self.tokenizer, eos_ids=self.eos_ids, tools=tools if native else None)
-        first = messages if native or not tools else _with_tools(messages, tools)
-        e.prompt = session.framing.first(first)
-        return list(e.prompt)
+        framing = TurnFraming(self.tokenizer, eos_ids=self.eos_ids, tools=tools if native else None)
+        prompt = framing.first(messages if native or not tools else _with_tools(messages, tools))
+        return Request(session, list(prompt), max_new=min(max_new, self.max_tokens), restart=(prompt, framing))
 
     def _record(self, session: Session, messages: list[dict], request: Request) -> None:
         e = session.episode
-        e.tokens += request.reply
-        e.model += [1] * len(request.reply)
-        e.logprobs += request.logprobs
+        if request.restart is not None:  # a first request, or a rewritten history: the tokens start again
+            session.restarts += bool(session.history)
+            e.prompt, session.framing = request.restart
+            e.tokens, e.model, e.logprobs = [], [], []
+        e.tokens += request.context + request.reply
+        e.model += [0] * len(request.context) + [1] * len(request.reply)
+        e.logprobs += [0.0] * len(request.context) + request.logprobs
         e.turns += 1
         e.truncated = e.truncated or len(e.tokens) >= self.max_tokens
         text = decode_tokens(self.tokenizer, [request.reply])[0]
