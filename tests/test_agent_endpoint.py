@@ -77,8 +77,8 @@ def _run(rank: int, world_size: int) -> dict:
 
 def _run_schedules(rank: int, world_size: int) -> dict:
     """The same 2-turn agent on a slowed engine with requests that come one by one (4 slots), with
-    more agents than slots (2 slots, 4 agents), and an agent that rewrites its history: each round's
-    rows, the reused tokens and the actor's log-probs."""
+    more agents than slots (2 slots, 4 agents), with a prompt longer than the stream call's rows, and
+    an agent that rewrites its history: each round's rows, the reused tokens and the actor's log-probs."""
     import sys
 
     from conftest import HERE
@@ -94,7 +94,11 @@ def _run_schedules(rank: int, world_size: int) -> dict:
     # 2 slots: 7 and 8 both think when 9 and 10 come: these wait for an episode to end
     crowded = [{"answer": "7", "think": 0.6}, {"answer": "8", "delay": 0.05, "think": 0.6},
                {"answer": "9", "delay": 0.3}, {"answer": "10", "delay": 0.3}]
+    # 7's first request starts a stream call sized for it; 8's, longer than that call's rows may be,
+    # comes while 7 decodes: it waits for the next call, whose cache grows (7's parked K/V moves over)
+    long = [{"answer": "7", "think": 0.6}, {"answer": "7 " * 60, "delay": 0.05}]
     rounds = {"late": ("late_two_turns", 4, late), "crowded": ("late_two_turns", 2, crowded),
+              "long": ("late_two_turns", 4, long),
               "edited": ("edits_history", 4, [{"answer": "7"}, {"answer": "12"}])}
     got = {}
     for name, (fn, slots, rows) in rounds.items():
@@ -103,7 +107,8 @@ def _run_schedules(rank: int, world_size: int) -> dict:
         runner = AgentRunner(load_agent(f"support.agent_schedules:{fn}"), tokenizer=tok, eos_ids=eos, max_turns=4,
                              max_tokens=64, workers=4, skip_errors=False)
         out = runner.run(engine, rows, n=1, sampling=SAMPLING)
-        got[name] = {"out": out, "reused": engine.reused_tokens, "logprobs": actor_logprobs(out, folder, pad)}
+        got[name] = {"out": out, "reused": engine.reused_tokens, "logprobs": actor_logprobs(out, folder, pad),
+                     "slots": engine._fast.cache.shape[3]}
     return got
 
 
@@ -147,11 +152,13 @@ def _exact(got: dict) -> None:
 
 def test_follow_ups_reuse_their_first_turn_whatever_the_schedule_and_an_edited_history_is_prefilled_whole() -> None:
     got = run_distributed(_run_schedules, 1)[0]
-    for name in ("late", "crowded"):  # every follow-up found its first turn parked, also with 2 slots for 4 agents
+    for name in ("late", "crowded", "long"):  # every follow-up found its first turn parked
         out = got[name]["out"]
-        assert out["env_turns"].tolist() == [2] * 4 and out["agent_restarts"].tolist() == [0] * 4
+        episodes = len(out["env_turns"])
+        assert out["env_turns"].tolist() == [2] * episodes and out["agent_restarts"].tolist() == [0] * episodes
         assert got[name]["reused"] == _first_turns(out) > 0, name
         _exact(got[name])
+    assert got["long"]["out"]["prompt_lengths"].max() > 64 and got["long"]["slots"] > 128  # the cache grew
     edited = got["edited"]
     out = edited["out"]
     assert out["agent_restarts"].tolist() == [1, 1] and edited["reused"] == 0  # nothing parked was its prefix
