@@ -35,7 +35,7 @@ from spmd_rl.engine import ENGINES, engine_spec
 from spmd_rl.memory import check_memory, estimate_memory
 from spmd_rl.plan_rules import (
     check_backend, check_dapo, check_engine, check_episodes, check_in_flight, check_router_replay, check_sections,
-    check_teacher, critic_warnings, staleness_warnings,
+    check_teacher, critic_warnings, rollout_warnings, staleness_warnings,
 )
 from spmd_rl.rollout import backend_spec
 
@@ -211,7 +211,7 @@ def plan(cfg: Config, world_size: int, nproc_per_node: int | None = None, *,
     _check_pools(cfg, by_name)
     check_teacher(cfg, separate=teacher is not None, engine_meshes=engine.meshes)
     warnings = list(engine.warnings(cfg.actor)) + critic_warnings(cfg, engine_builds_critic=engine.critic)
-    warnings += staleness_warnings(cfg, rollout_pool=ROLLOUT in by_name)
+    warnings += staleness_warnings(cfg, rollout_pool=ROLLOUT in by_name) + rollout_warnings(cfg)
     check_in_flight(cfg, rollout_pool=ROLLOUT in by_name, backend=backend)
     fractions = _memory_fractions(cfg, specs, world_size, nproc_per_node)
     check_engine(cfg, engine)

@@ -63,6 +63,19 @@ def check_backend(cfg: Config, backend: Any, rollout: RolloutLayout) -> None:
             f"rollout.backend={cfg.rollout.backend} holds a whole model per rank: use --rollout.tp 1 "
             f"--rollout.pp 1 or --rollout.backend vllm")
     backend.check(cfg.rollout)
+    if cfg.rollout.dtype == "fp8" and not backend.fp8:
+        supported = sorted(name for name, spec in BACKENDS.items() if spec.fp8)
+        raise ValueError(f"--rollout.dtype fp8: rollout.backend={cfg.rollout.backend} does not hold its weights in "
+                         f"FP8 here: use --rollout.backend {' or '.join(supported)}, or --rollout.dtype auto")
+
+
+def rollout_warnings(cfg: Config) -> list[str]:
+    """What the rollout's settings advise: FP8 weights widen the gap to the trainer's log-probs."""
+    if cfg.rollout.dtype == "fp8" and not cfg.algo.rollout_correction_on:
+        return ["rollout.dtype=fp8 samples from an FP8 copy of the policy, further from the trainer's log-probs than "
+                "the model dtype: consider --algo.rollout-is token (rollout/logprob_abs_diff and rollout_corr/kl "
+                "report the gap)"]
+    return []
 
 
 def check_episodes(cfg: Config, backend: Any, *, rollout_pool: bool) -> None:

@@ -122,6 +122,13 @@ class RolloutConfig:
     """Sequences decoded at once per rank. Native backend: its KV-cache slots (each `longest prompt +
     rollout.max_new_tokens` long, checked against free memory before allocating); a rank's other rows
     queue and take the slot of the next finished row (continuous batching)."""
+    dtype: Literal["auto", "fp8"] = "auto"
+    """Weights of the rollout engine. `auto`: the model dtype (bf16 on CUDA, fp32 on CPU). `fp8` (built-in
+    rollout): the attention and dense MLP projections' weights in FP8 e4m3 with one scale per output row,
+    re-quantised at each weight sync, each token's activations quantised likewise, `torch._scaled_mm`
+    (CUDA, compute capability 8.9+; on the CPU the same numbers, emulated); embeddings, norms, routed
+    experts and `lm_head` stay in the model dtype. Halves the projections' memory; decode speed on an
+    H200: docs/PERF.md. The log-prob gap to the trainer grows: see `algo.rollout_is`."""
     tp: int = 1
     """Tensor-parallel degree of the rollout engine (ranks of one tp group get the same prompts)."""
     pp: int = 1

@@ -60,6 +60,16 @@ def parameter_counts(s: ModelShape) -> Params:
                   largest_layer=moe if s.moe_layers else dense)
 
 
+def projection_parameters(s: ModelShape) -> tuple[int, int]:
+    """The weights of the attention and dense MLP projections (what ``--rollout.dtype fp8`` holds in FP8)
+    and their output rows (one float32 scale each); routed experts and ``lm_head`` are not among them."""
+    h, q, kv, inter = _widths(s)
+    dense_layers = s.layers - s.moe_layers
+    weights = s.layers * (2 * h * q + 2 * h * kv) + dense_layers * 3 * h * inter
+    rows = s.layers * (q + 2 * kv + h) + dense_layers * (2 * inter + h)
+    return weights, rows
+
+
 def lora_parameters(s: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
     """Adapter parameters, ``rank x (in + out)`` per target projection of every layer (routed experts are no
     ``nn.Linear``: MoE layers' MLPs get none; ``all-linear``: every projection)."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .counts import (
     Params, activation_bytes, forward_bytes, head_bytes, kv_cache_bytes, lora_parameters, micro_tokens,
-    parameter_counts,
+    parameter_counts, projection_parameters,
 )
 
 if TYPE_CHECKING:
@@ -166,6 +166,9 @@ def _native_rollout(cfg: Config, p: Plan, s: ModelShape, device_bytes: int | Non
     if cfg.trainer.val_every > 0 and not pool:  # validation generates on the same engine; its cache only grows
         rows = max(rows, -(-cfg.data.val_size // p.rollout_dp_size) * cfg.trainer.val_n)
     weights = 2 * parameter_counts(s).total
+    if cfg.rollout.dtype == "fp8":  # the projections at one byte a weight, plus a float32 scale per row
+        projections, rows_out = projection_parameters(s)
+        weights += 4 * rows_out - projections
     cache = kv_cache_bytes(cfg, s, rows, rows=cfg.rollout.batch_size if pool and cfg.rollout.stream else None)
     parts = [Part("rollout weights", weights, _phases(level < 2, (GENERATE,))),
              Part("rollout KV cache", cache, _phases(level == 0, (GENERATE,)))]

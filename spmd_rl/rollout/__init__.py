@@ -128,6 +128,8 @@ class BackendSpec:
     """Its ``generate`` and ``stream`` take a ``look`` callback, called while it decodes, and it says
     whether a second copy of its weights fits (``room_for_weights()``): ``rollout.stage_weights``,
     weights received into a staging copy mid-round."""
+    fp8: bool = False
+    """It takes ``fp8`` at construction and holds its projections' weights in FP8 (``--rollout.dtype fp8``)."""
     router_replay: bool = False
     """Its ``generate`` takes ``record_routes`` at construction and returns each generated token's experts
     (``GenerationOutput.routed_experts``): ``actor.router_replay``."""
@@ -137,7 +139,7 @@ class BackendSpec:
 
 BACKENDS: dict[str, BackendSpec] = {
     "native": BackendSpec(factory=_native, options=_native_options, model_parallel=False, partial=True,
-                          stream=True, stage_weights=True, router_replay=True),
+                          stream=True, stage_weights=True, router_replay=True, fp8=True),
     "vllm": BackendSpec(factory=_vllm, options=_vllm_options, model_parallel=True,
                         pool_groups=_vllm_pool_groups, check=_vllm_check, model_rules=_vllm_model_rules,
                         memory=VLLM_MEMORY),
@@ -161,7 +163,7 @@ def build_rollout_from_config(rollout: RolloutConfig, *, model_folder: str, devi
                               eos_token_ids: list[int], trust_remote_code: bool, max_prompt_length: int,
                               seed: int, pool_groups: Any = None, record_routes: bool = False) -> RolloutEngine:
     """The engine ``rollout.backend`` names, configured from the ``rollout`` section: bf16 on CUDA,
-    fp32 elsewhere; no EOS ids with ``rollout.ignore_eos``. ``seed``: the sampling seed of this rank's
+    fp32 elsewhere (``rollout.dtype fp8``: the projections in FP8); no EOS ids with ``rollout.ignore_eos``. ``seed``: the sampling seed of this rank's
     replica (vLLM seeds its engine with it). ``pool_groups``: what the backend's
     :attr:`BackendSpec.pool_groups` built for this rank (``RunGroups.rollout_pool_groups``), or None.
     ``record_routes``: the engine records the experts of every generated token (``actor.router_replay``;
@@ -175,7 +177,7 @@ def build_rollout_from_config(rollout: RolloutConfig, *, model_folder: str, devi
         eos_token_ids=[] if rollout.ignore_eos else eos_token_ids,
         trust_remote_code=trust_remote_code, **spec.options(rollout, max_prompt_length=max_prompt_length, seed=seed),
         **({"pool_groups": pool_groups} if pool_groups is not None else {}),
-        **({"record_routes": True} if record_routes else {}))
+        **({"record_routes": True} if record_routes else {}), **({"fp8": True} if rollout.dtype == "fp8" else {}))
 
 
 __all__ = ["BACKENDS", "BackendSpec", "GenerationOutput", "NativeRollout", "RolloutEngine", "backend_spec",

@@ -79,8 +79,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..compiled import CompileGroup
 from ..models.families import FAMILIES, layer_windows
 from .decode_attention import attention_kind, decode_attention, varlen_attn
+from .fp8 import fp8_shape_ok
 from .layers import (
-    ACTIVATIONS, Fused, dense_mlp, grouped_mm_works, layer_functions, moe_mlp, norm_eps, rms_norm, rope_types, storing,
+    ACTIVATIONS, Fp8Fused, Fused, dense_mlp, grouped_mm_works, layer_functions, moe_mlp, norm_eps, rms_norm, rope_types, storing,
     unsupported_reason,
 )
 from .prefixes import PrefixCache
@@ -103,11 +104,15 @@ class FastDecoder(PrefixCache):
     """Static-cache, graph-captured decoding over a HF model of a supported family (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, max_batch: int, pad_token_id: int,
-                 prefill_tokens: int = 16384, compile_layers: bool = False, record_routes: bool = False) -> None:
+                 prefill_tokens: int = 16384, compile_layers: bool = False, record_routes: bool = False,
+                 fp8: bool = False) -> None:
         """``compile_layers``: run the decode step's layer halves (:func:`layer_functions`) through
         ``torch.compile`` (one fused kernel for each norm, for RoPE and for the activation); the prefill
         runs them eagerly. Compiling fails over to the eager code, logged once. ``record_routes`` (an MoE
-        model): the decode step records each generated token's experts in every MoE layer (:meth:`routes`)."""
+        model): the decode step records each generated token's experts in every MoE layer (:meth:`routes`).
+        ``fp8``: the attention and dense MLP projections hold FP8 weights (:class:`Fp8Fused`; one whose widths
+        the scaled GEMM does not take keeps the model dtype); embeddings, norms, routers, routed experts and
+        ``lm_head`` stay in the model dtype."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FastDecoder: {reason}")
@@ -116,7 +121,7 @@ class FastDecoder(PrefixCache):
         self.layers = list(self.inner.layers)
         self.device = torch.device(device)
         self._read_shape(model)
-        graphable = self._build_layer_functions(model.config, compile_layers)
+        graphable = self._build_layer_functions(model.config, compile_layers, fp8)
         # router replay: MoE layer i records its experts at index moe_of[i] of the step's routes
         self.moe_layers = [i for i, kind in enumerate(self.kind) if kind == "moe"]
         if record_routes and not self.moe_layers:
@@ -173,14 +178,20 @@ class FastDecoder(PrefixCache):
         self.rope_of = [self.rope_keys.index(k) for k in keys]
         self.softcap = getattr(config, "final_logit_softcapping", None)
 
-    def _build_layer_functions(self, config, compile_layers: bool) -> bool:
-        """The fused projections and the per-layer pure functions of the decode step (dense and / or
-        MoE MLP), compiled or not; returns whether the step can be captured in a CUDA graph."""
-        self.qkv = [Fused((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)) for l in self.layers]
+    def _build_layer_functions(self, config, compile_layers: bool, fp8: bool) -> bool:
+        """The fused projections (FP8 with ``fp8``) and the per-layer pure functions of the decode step (dense
+        and / or MoE MLP), compiled or not; returns whether the step can be captured in a CUDA graph."""
+        def fuse(*modules: torch.nn.Linear) -> Fused:
+            ok = fp8 and fp8_shape_ok(sum(m.out_features for m in modules), modules[0].in_features)
+            return Fp8Fused(modules) if ok else Fused(modules)
+        self.qkv = [fuse(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
+        self.o = [fuse(l.self_attn.o_proj) for l in self.layers]
         self.experts = [getattr(l.mlp, "experts", None) for l in self.layers]  # Qwen3-MoE layers; None: dense
-        self.gate_up = [None if e is not None else Fused((l.mlp.gate_proj, l.mlp.up_proj))
-                        for l, e in zip(self.layers, self.experts)]
-        self.fused: list[Fused] = self.qkv + [f for f in self.gate_up if f is not None]
+        plain = [e is None for e in self.experts]
+        self.gate_up = [fuse(l.mlp.gate_proj, l.mlp.up_proj) if d else None for l, d in zip(self.layers, plain)]
+        self.down = [fuse(l.mlp.down_proj) if d else None for l, d in zip(self.layers, plain)]
+        self.fused: list[Fused] = [f for f in self.qkv + self.o + self.gate_up + self.down if f is not None]
+        self.fp8_units = sum(isinstance(f, Fp8Fused) for f in self.fused)  # how many GEMMs run on FP8 weights
         # the function for the config's activation (the same one every layer's act_fn applies), else that module
         first = next(e if e is not None else l.mlp for l, e in zip(self.layers, self.experts))
         act = ACTIVATIONS.get(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)) \
@@ -242,15 +253,14 @@ class FastDecoder(PrefixCache):
         norm, attn = self.layers[i].input_layernorm, self.layers[i].self_attn
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3, Gemma 3
         if qn is None:
-            return fn(*lead, x, norm.weight, norm_eps(norm), self.qkv[i].weight, self.qkv[i].bias, cos, sin)
-        return fn(*lead, x, norm.weight, norm_eps(norm), self.qkv[i].weight, self.qkv[i].bias, cos, sin,
+            return fn(*lead, x, norm.weight, norm_eps(norm), self.qkv[i].operand(), self.qkv[i].bias, cos, sin)
+        return fn(*lead, x, norm.weight, norm_eps(norm), self.qkv[i].operand(), self.qkv[i].bias, cos, sin,
                   qn.weight, kn.weight, norm_eps(qn))
 
     def _out(self, i: int, x: torch.Tensor, o: torch.Tensor, fns: dict[str, Callable],
              routes: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``i``'s second half; an MoE layer writes its tokens' experts into ``routes`` when given."""
-        layer, kind = self.layers[i], self.kind[i]
-        o_proj = layer.self_attn.o_proj
+        layer, kind, o_proj = self.layers[i], self.kind[i], self.o[i]
         if self.family.sandwich_norms:  # Gemma: post_attention_layernorm normalises the attention output
             norms = (layer.post_attention_layernorm.weight, layer.pre_feedforward_layernorm.weight,
                      layer.post_feedforward_layernorm.weight)
@@ -261,9 +271,8 @@ class FastDecoder(PrefixCache):
             if routes is not None:
                 weights += (routes,)
         else:
-            down = layer.mlp.down_proj
-            weights = (self.gate_up[i].weight, self.gate_up[i].bias, down.weight, down.bias)
-        return fns[kind](x, o, o_proj.weight, o_proj.bias, norm_eps(layer.post_attention_layernorm), *norms, weights)
+            weights = (self.gate_up[i].operand(), self.gate_up[i].bias, self.down[i].operand(), self.down[i].bias)
+        return fns[kind](x, o, o_proj.operand(), o_proj.bias, norm_eps(layer.post_attention_layernorm), *norms, weights)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm, ``lm_head`` and the final soft-cap (Gemma, when configured) of ``x [rows, h]``."""

@@ -4,7 +4,9 @@
   (:data:`spmd_rl.models.families.FAMILIES`: Llama 3.x, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text),
   and why not;
 * :class:`Fused`: ``nn.Linear`` modules of one input as one GEMM, the modules' parameters becoming
-  views of the fused tensor (hot-swap by HF name keeps working);
+  views of the fused tensor (hot-swap by HF name keeps working); :class:`Fp8Fused`: the same GEMM on
+  FP8 weights (``--rollout.dtype fp8``, :mod:`spmd_rl.rollout.fp8`), re-quantised row by row at each load;
+* :func:`project`: ``F.linear`` on a model-dtype weight, the FP8 GEMM on a ``(q, scale)`` pair;
 * :func:`layer_functions`: a decoder layer's two halves around attention as pure functions of
   tensors, which the decoder runs eagerly (prefill, CPU) or compiled (the CUDA decode step);
   :func:`storing`: the first half writing its K/V into the cache as well (the decode step);
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.families import FAMILIES
+from .fp8 import fp8_linear, quantize_rows
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 # RoPE types whose cos/sin depend on the position only (dynamic / longrope rescale with the length).
@@ -126,6 +129,16 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def project(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], b: torch.Tensor | None,
+            ) -> torch.Tensor:
+    """``x @ W.T + b``: ``w`` a weight (``F.linear``) or an FP8 ``(q, scale)`` pair
+    (:func:`~spmd_rl.rollout.fp8.fp8_linear`),
+    as :meth:`Fused.operand` gives it."""
+    if isinstance(w, tuple):
+        return fp8_linear(x, w[0], w[1], b)
+    return F.linear(x, w, b)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """HF's ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) = roll(x) * [-1, 1]`` (the sign is in
     ``signed_sin``): three kernels eager, one compiled."""
@@ -158,7 +171,7 @@ def layer_functions(*, qk_heads: int, head_dim: int, q_heads: int, mlp: Callable
     split, off = qk_heads * head_dim, norm_offset
 
     def attn_in(x, norm, eps, w, b, cos, signed_sin, q_norm=None, k_norm=None, qk_eps=0.0):
-        qkv = F.linear(rms_norm(x, norm, eps, off), w, b)
+        qkv = project(rms_norm(x, norm, eps, off), w, b)
         qk = qkv[..., :split].unflatten(-1, (qk_heads, head_dim))
         if q_norm is not None:  # Qwen3, Gemma 3: each head of q and of k normalised before RoPE
             qk = torch.cat([rms_norm(qk[..., :q_heads, :], q_norm, qk_eps, off),
@@ -166,7 +179,7 @@ def layer_functions(*, qk_heads: int, head_dim: int, q_heads: int, mlp: Callable
         return rope(qk, cos, signed_sin), qkv[..., split:].unflatten(-1, (-1, head_dim))
 
     def attn_out(x, o, o_w, o_b, eps, post_attn, pre_mlp, post_mlp, weights):
-        o = F.linear(o, o_w, o_b)
+        o = project(o, o_w, o_b)
         x = x + (o if post_attn is None else rms_norm(o, post_attn, eps, off))
         y = mlp(rms_norm(x, pre_mlp, eps, off), *weights)
         return x + (y if post_mlp is None else rms_norm(y, post_mlp, eps, off))
@@ -189,10 +202,11 @@ def storing(attn_in: Callable, q_heads: int) -> Callable:
 
 
 def dense_mlp(*, intermediate: int, act: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """``mlp(h, gate_up_w, gate_up_b, down_w, down_b)``: the fused gate/up GEMM, ``act(gate) * up``, down_proj."""
+    """``mlp(h, gate_up_w, gate_up_b, down_w, down_b)``: the fused gate/up GEMM, ``act(gate) * up``, down_proj
+    (each weight a tensor or an FP8 pair, :func:`project`)."""
     def mlp(h, gate_up_w, gate_up_b, down_w, down_b):
-        gate, up = F.linear(h, gate_up_w, gate_up_b).split(intermediate, -1)
-        return F.linear(act(gate) * up, down_w, down_b)
+        gate, up = project(h, gate_up_w, gate_up_b).split(intermediate, -1)
+        return project(act(gate) * up, down_w, down_b)
 
     return mlp
 
@@ -268,7 +282,11 @@ class Fused:
         self._bind()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.operand(), self.bias)
+
+    def operand(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The weight as :func:`project` takes it."""
+        return self.weight
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for m in self.modules for p in (m.weight, m.bias) if p is not None]
@@ -291,6 +309,48 @@ class Fused:
             start += n
 
 
-__all__ = ["ACTIVATIONS", "STATIC_ROPE_TYPES", "SUPPORTED_MODEL_TYPES", "Fused", "dense_mlp", "grouped_mm_works",
-           "layer_functions", "moe_mlp", "norm_eps", "rms_norm", "rope", "rope_types", "storing",
+class Fp8Fused(Fused):
+    """:class:`Fused` on FP8 weights: the fused tensor is ``q [out, in]`` (e4m3) with ``scale [out]``, one per
+    row (:func:`~spmd_rl.rollout.fp8.quantize_rows`); biases stay in the model dtype. The modules' weights
+    no longer hold memory (one-element placeholders of their shapes and dtype: their names still check
+    a load's shape); :meth:`load` quantises a module's new weight into its rows."""
+
+    def __init__(self, modules: tuple[torch.nn.Linear, ...]) -> None:
+        self.modules = modules
+        self.sizes = [m.out_features for m in modules]
+        self.dtype = modules[0].weight.dtype
+        self.weight, self.scale = quantize_rows(torch.cat([m.weight.data for m in modules]))
+        self.bias = torch.cat([m.bias.data for m in modules]) if modules[0].bias is not None else None
+        self._bind()
+
+    def operand(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.weight, self.scale
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.scale] + ([self.bias] if self.bias is not None else [])
+
+    def replace(self, tensors: list[torch.Tensor]) -> None:
+        self.weight, self.scale = tensors[0], tensors[1]
+        self.bias = tensors[2] if self.bias is not None else None
+        self._bind()
+
+    def load(self, module: torch.nn.Linear, weight: torch.Tensor) -> None:
+        """Quantise ``weight`` (``module``'s new weight, any dtype or device) into the module's rows."""
+        k = next(j for j, m in enumerate(self.modules) if m is module)
+        start = sum(self.sizes[:k])
+        q, scale = quantize_rows(weight.to(self.weight.device))
+        self.weight[start:start + self.sizes[k]].copy_(q)
+        self.scale[start:start + self.sizes[k]].copy_(scale)
+
+    def _bind(self) -> None:
+        start = 0
+        for m, n in zip(self.modules, self.sizes):
+            m.weight.data = self.weight.new_empty((1, 1), dtype=self.dtype).expand(n, self.weight.shape[1])
+            if self.bias is not None:
+                m.bias.data = self.bias[start:start + n]
+            start += n
+
+
+__all__ = ["ACTIVATIONS", "STATIC_ROPE_TYPES", "SUPPORTED_MODEL_TYPES", "Fp8Fused", "Fused", "dense_mlp", "grouped_mm_works",
+           "layer_functions", "moe_mlp", "norm_eps", "project", "rms_norm", "rope", "rope_types", "storing",
            "unsupported_reason"]

@@ -59,7 +59,8 @@ from ..compiled import triton_available
 from ..models import load_causal_lm
 from .base import GenerationOutput, check_sampling_args
 from .fast import FastDecoder
-from .layers import Fused, unsupported_reason
+from .fp8 import fp8_works
+from .layers import Fp8Fused, Fused, unsupported_reason
 from .lengths import LengthDist, draw_lengths
 from .sampling import filter_logits, sample_next
 from .stream import Done, Feed, StreamEngine, run_stream
@@ -87,16 +88,22 @@ class NativeRollout(RolloutWeights):
         min_new_tokens: int = 1,
         token_delay_s: float = 0.0,
         record_routes: bool = False,
+        fp8: bool = False,
     ) -> None:
         """``compile_decode``: the fast path's decode layers through ``torch.compile`` (see
         :class:`FastDecoder`); None = where inductor makes triton kernels (CUDA), True also elsewhere.
         ``length_dist`` / ``min_new_tokens`` / ``token_delay_s``: benchmark workloads (module docstring).
         ``record_routes``: ``generate`` returns each generated token's experts in every MoE layer
-        (``GenerationOutput.routed_experts``, router replay); it needs the fast path."""
+        (``GenerationOutput.routed_experts``, router replay); it needs the fast path. ``fp8``
+        (``--rollout.dtype fp8``): the fast path's projections hold FP8 weights, re-quantised at each
+        :meth:`load_weights` (:class:`~spmd_rl.rollout.layers.Fp8Fused`); it needs the fast path."""
         if batch_size < 1:
             raise ValueError(f"rollout.batch_size must be >= 1, got {batch_size}")
         self.device = torch.device(device)
         self.dtype = dtype
+        why = fp8_works(self.device, dtype) if fp8 else None
+        if why is not None:
+            raise ValueError(f"--rollout.dtype fp8: {why}; leave --rollout.dtype auto")
         self.batch_size = batch_size
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(e) for e in eos_token_ids]
@@ -119,23 +126,43 @@ class NativeRollout(RolloutWeights):
         self._dropped: set[int] = set()
         self._dropped_units: list[Fused | OwnTensor] = []
         # The fast path (spmd_rl/rollout/fast.py) reads the same parameters, so hot-swap reaches it too.
-        self._fast: FastDecoder | None = None
+        self._fast = self._build_fast(fast_decode, compile_decode, record_routes=record_routes, fp8=fp8)
+        self.record_routes = record_routes
+        self._index_storage()
+
+    def _build_fast(self, fast_decode: bool, compile_decode: bool | None, *, record_routes: bool,
+                    fp8: bool) -> FastDecoder | None:
+        """The fast decoder over this engine's model, or None (the Hugging Face loop) where it does not run;
+        router replay and FP8 weights need it."""
+        fast, reason = None, "fast_decode is off"
         if fast_decode:
             reason = unsupported_reason(self.model)
             if reason is None:
                 compile_layers = triton_available(self.device) if compile_decode is None else compile_decode
-                self._fast = FastDecoder(self.model, device=self.device, max_batch=batch_size,
-                                         pad_token_id=self.pad_token_id, compile_layers=compile_layers,
-                                         record_routes=record_routes)
+                fast = FastDecoder(self.model, device=self.device, max_batch=self.batch_size,
+                                   pad_token_id=self.pad_token_id, compile_layers=compile_layers,
+                                   record_routes=record_routes, fp8=fp8)
             else:
                 log.warning("NativeRollout: fast decode is off (%s); using the Hugging Face decode loop", reason)
-        if record_routes and self._fast is None:
+        if record_routes and fast is None:
             raise ValueError("--actor.router-replay records the experts in the built-in rollout's fast decode, which "
-                             f"does not run this model ({reason if fast_decode else 'fast_decode is off'})")
-        self.record_routes = record_routes
-        # What sleep(2) moves: the fast path's fused tensors (its parameters are views of them), then every
-        # other parameter / buffer once (tied weights are one tensor).
+                             f"does not run this model ({reason})")
+        if fp8 and fast is None:
+            raise ValueError("--rollout.dtype fp8 runs the built-in rollout's fast decode, which does not run this "
+                             f"model ({reason}); leave --rollout.dtype auto")
+        if fp8 and not fast.fp8_units:
+            raise ValueError("--rollout.dtype fp8: none of this model's projections has widths that are multiples of "
+                             "16, which the scaled FP8 GEMM needs; leave --rollout.dtype auto")
+        return fast
+
+    def _index_storage(self) -> None:
+        """``_quantized`` (an HF weight name -> the FP8 unit that quantises it into its rows, and its module)
+        and ``_storage``, what sleep(2) moves: the fast path's fused tensors (its parameters are views of
+        them), then every other parameter / buffer once (tied weights are one tensor)."""
         fused = self._fast.fused if self._fast is not None else []
+        of = {id(m.weight): (u, m) for u in fused if isinstance(u, Fp8Fused) for m in u.modules}
+        self._quantized: dict[str, tuple[Fp8Fused, torch.nn.Module]] = {
+            name: of[id(t)] for name, t in self._targets.items() if id(t) in of}
         in_fused = {id(p) for unit in fused for p in unit.parameters()}
         unique = {id(t): t for t in self._targets.values() if id(t) not in in_fused}
         self._storage: list[Fused | OwnTensor] = [*fused, *(OwnTensor(t) for t in unique.values())]

@@ -6,7 +6,7 @@
     engine.wake_up()                                  # back on the device, the cache reallocated
 
 It reads the engine's ``model``, ``device``, ``_fast`` (the fast decoder, or None), ``_targets`` (HF name
--> the tensor to copy into), ``_storage`` (the units that own storage: the fast path's fused tensors and
+-> the tensor to copy into), ``_quantized`` (HF name -> the FP8 unit that quantises it, and its module), ``_storage`` (the units that own storage: the fast path's fused tensors and
 every other parameter or buffer once), ``_host_copies``, ``_sleep_level``, ``_dropped`` and
 ``_dropped_units``, and calls its ``forget_prefixes``.
 """
@@ -49,7 +49,9 @@ class RolloutWeights:
         """Copy ``(hf_name, full_tensor)`` pairs into the model, casting dtype and device.
 
         For tied embeddings either ``lm_head.weight`` or ``model.embed_tokens.weight`` may be sent
-        (or both); they are the same tensor here.
+        (or both); they are the same tensor here. A weight the rollout holds in FP8 (``--rollout.dtype
+        fp8``) is quantised into its rows instead (one scale per row: rows loaded apart quantise as the
+        whole tensor would).
         """
         self._restore_storages()
         self.forget_prefixes()  # K/V of the old weights
@@ -63,14 +65,19 @@ class RolloutWeights:
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(f"NativeRollout.load_weights: {name} has shape {tuple(tensor.shape)}, "
                                      f"the rollout model expects {tuple(target.shape)}")
-                target.copy_(tensor)
+                quantized = self._quantized.get(name)
+                if quantized is not None:
+                    unit, module = quantized
+                    unit.load(module, tensor)
+                else:
+                    target.copy_(tensor)
                 self._dropped.discard(id(target))
 
     def room_for_weights(self) -> str | None:
         """None when one more copy of the weights fits in this device's free memory (a staged transfer,
         ``rollout.stage_weights``), else what is missing, in words."""
         free = free_bytes(self.device)
-        need = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        need = sum(t.numel() * t.element_size() for unit in self._storage for t in unit.tensors())
         if free is None or need * 1.05 <= free:
             return None
         return f"a staging copy of the weights needs {size(need)}, {size(free)} is free"
