@@ -23,7 +23,15 @@ likewise with ``rollout.stage_weights`` (rows marked ``w``: the actor's weight s
 for the round in progress or the stream's drain). "model" is the speed-up ``bench/async_sim.py`` predicts from the
 synchronous run's generation, actor and weight-sync times and the length distribution, for two pools
 that share nothing; on one GPU the two processes share its compute and memory bandwidth, so the
-measured speed-up stays below it. ``--out`` appends the rows as JSON lines.
+measured speed-up stays below it. "tok/s/GPU" is the end-to-end figure peers publish: the step's
+prompt and response tokens (what the update trains on, each response generated once) per second of
+the step, over the run's GPUs (``perf/tokens_per_s_per_gpu``); "gen / logp / update / sync" the
+medians of the synchronous stages (``timing_s/gen``, ``old_logprob`` + ``ref``, ``update``,
+``weight_sync``; at S > 0 the actor's waits instead of gen). ``--model`` takes a bench/shapes.py
+name too (random weights of that shape, built under ``--root``). ``--out`` appends the rows as JSON lines.
+
+    python bench/async.py --model qwen3-1.7b --prompts 32 --n 8 --length-dist lognormal --min-new-tokens 64 \
+        --max-new-tokens 2048 --batch-size 256 --micro-batch 16 --staleness 0 1 --steps 6   # e2e tok/s per GPU
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_sim import Costs, predict, round_drawer  # noqa: E402 - bench/ on the path first
+from shapes import SHAPES, model_folder  # noqa: E402
 
 
 def run(staleness: int, args: argparse.Namespace, out_dir: str, *, stream: bool = False,
@@ -69,7 +78,9 @@ def run(staleness: int, args: argparse.Namespace, out_dir: str, *, stream: bool 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct", help="--model.path")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="--model.path, or a bench/shapes.py shape")
+    p.add_argument("--root", default=os.path.expanduser("~/.cache/spmd_rl/bench_models"),
+                   help="where a --model shape's random-weight folder is built")
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--nproc", type=int, default=2, help="processes: half actor, half rollout")
     p.add_argument("--colocate", type=int, default=2, help="processes per device (2: both pools on one GPU)")
@@ -90,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.model in SHAPES:
+        args.model = model_folder(args.model, root=args.root)
     if args.partial and args.stage_weights != "off":
         p.error("--partial loads weights mid-round and --stage-weights after it: choose one")
     lengths = (f"{args.max_new_tokens}" if args.length_dist == "model"
@@ -97,8 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"async GRPO: {args.model}, {args.prompts} prompts x {args.n} x {lengths} tokens, "
           f"{args.nproc} processes ({args.colocate} per device){', partial rollouts' if args.partial else ''}, "
           f"median of steps 3..{args.steps}")
-    print(f"{'staleness':>9s} {'s/step':>7s} {'samples/s':>9s} {'speed-up':>8s} {'model':>6s} {'actor idle':>10s} "
-          f"{'rollout idle':>12s} {'partial':>7s} {'score':>6s}", flush=True)
+    print(f"{'staleness':>9s} {'s/step':>7s} {'samples/s':>9s} {'tok/s/GPU':>9s} {'speed-up':>8s} {'model':>6s} "
+          f"{'actor idle':>10s} {'rollout idle':>12s} {'partial':>7s} {'score':>6s} {'gen / logp / update / sync s':>28s}",
+          flush=True)
     base, predicted_steps = None, {}
     # one rollout replica's rows per round (each of the nproc / 2 replicas generates its share)
     draw = round_drawer(length_dist=args.length_dist, low=min(args.min_new_tokens, args.max_new_tokens),
@@ -127,10 +141,18 @@ def main(argv: list[str] | None = None) -> None:
                    "samples_per_s": args.prompts * args.n / step, "speedup": speed,
                    "model_speedup": predicted_steps[0] / predicted_steps[s] if predicted_steps else None,
                    "actor_idle_frac": idle[0], "rollout_idle_frac": idle[1], "partial_frac": med("async/partial_frac"),
-                   "score_last": statistics.mean(r["critic/score/mean"] for r in rows[-3:])}
+                   "score_last": statistics.mean(r["critic/score/mean"] for r in rows[-3:]),
+                   "tokens_per_s": med("perf/tokens_per_s"), "tokens_per_s_per_gpu": med("perf/tokens_per_s_per_gpu"),
+                   "stages_s": {"gen": med("timing_s/gen"), "wait": med("timing_s/wait_rollout") + med("timing_s/wait_weights"),
+                                "logprobs": med("timing_s/old_logprob") + med("timing_s/ref"),
+                                "update": med("timing_s/update"), "weight_sync": med("timing_s/weight_sync")}}
+            st = row["stages_s"]
+            split = " / ".join(f"{st[k]:.2f}" for k in ("gen" if s == 0 else "wait", "logprobs", "update", "weight_sync"))
+            per_gpu = f"{row['tokens_per_s_per_gpu']:9.0f}" if row["tokens_per_s_per_gpu"] else "        -"
             predicted = f"{row['model_speedup']:6.2f}" if row["model_speedup"] else "     -"
-            print(f"{f'{s} {mark}'.strip():>9s} {step:7.3f} {row['samples_per_s']:9.1f} {speed:8.2f} {predicted} {idle[0]:10.2f} "
-                  f"{idle[1]:12.2f} {row['partial_frac']:7.2f} {row['score_last']:6.3f}", flush=True)
+            print(f"{f'{s} {mark}'.strip():>9s} {step:7.3f} {row['samples_per_s']:9.1f} {per_gpu} {speed:8.2f} {predicted} "
+                  f"{idle[0]:10.2f} {idle[1]:12.2f} {row['partial_frac']:7.2f} {row['score_last']:6.3f} {split:>28s}",
+                  flush=True)
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")

@@ -382,6 +382,9 @@ class Trainer:
         metrics.update(self.checkpointer.pop_timing())  # the saves since the last step's line (after step - 1)
         step_s = max(timer.seconds["step"], 1e-9)
         metrics["perf/tokens_per_s"] = metrics.pop("perf/total_tokens") / step_s
+        if self.env.device.type == "cuda":  # every pool's processes share the run's GPUs, pools.colocate to a GPU
+            gpus = max(dist.get_world_size() // self.cfg.pools.colocate, 1)
+            metrics["perf/tokens_per_s_per_gpu"] = metrics["perf/tokens_per_s"] / gpus
         if "async/rollout_busy_s" in metrics:  # the share of the step each pool waited
             waited = timer.seconds.get("wait_rollout", 0.0) + timer.seconds.get("wait_weights", 0.0)
             metrics["async/actor_idle_frac"] = min(waited / step_s, 1.0)
