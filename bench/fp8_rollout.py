@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rollout import SHAPES, build_model, bytes_per_step, timed  # noqa: E402  (bench/rollout.py)
+from rollout import SHAPES, build_model, timed  # noqa: E402  (bench/rollout.py)
 from shapes import SHAPES as FOLDER_SHAPES  # noqa: E402
 from shapes import model_folder  # noqa: E402
 
@@ -63,7 +63,7 @@ def speed_rows(shape: str, batch: int, args: argparse.Namespace, device: torch.d
                          compile_layers=args.compile_decode and device.type == "cuda")
         fd.buckets = batch_buckets(batch)
 
-        def call(seed: int):
+        def call(seed: int, fd: FastDecoder = fd):
             gen = torch.Generator(device=device).manual_seed(seed)
             return fd.generate_chunk(prompts, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
                                      generator=gen, eos=eos)

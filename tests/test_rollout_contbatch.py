@@ -29,7 +29,7 @@ from test_rollout_fast import (
 )
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from spmd_rl.rollout import decode_attention, fast
+from spmd_rl.rollout import decode_attention, decode_step
 from spmd_rl.rollout.fast import FastDecoder
 from spmd_rl.rollout.slots import free_bytes, size
 
@@ -125,7 +125,7 @@ def test_the_varlen_attention_call_reads_each_rows_own_entries(root: Path, promp
     folder = build(root, shape)
     eos = early_eos(responses(greedy(engine(folder, fast=False), prompts)))
     ref = greedy(engine(folder, fast=False, eos=eos, batch_size=3), prompts)
-    monkeypatch.setattr(fast, "varlen_attn", reference_varlen)
+    monkeypatch.setattr(decode_step, "varlen_attn", reference_varlen)
     monkeypatch.setattr(decode_attention, "varlen_works", lambda **kwargs: True)
     e = engine(folder, eos=eos, batch_size=3)
     assert e._fast.varlen

@@ -22,7 +22,6 @@ than both on an H200 (docs/PERF.md, "FP8 rollout").
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
