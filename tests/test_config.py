@@ -12,7 +12,7 @@ import pytest
 
 from spmd_rl.config import Config, from_yaml, load_config, to_yaml
 
-# (flags, the message the rule must give) — one row per rule in spmd_rl/config/sections.py and engines.py;
+# (flags, the message the rule must give) — one row per rule in spmd_rl/config/sections.py, rollout.py and engines.py;
 # the rules between sections and those that need the world size are plan()'s (tests/test_plan.py).
 RULES = [
     (["--data.train-batch-size", "0"], "data.train_batch_size must be >= 1, got 0"),

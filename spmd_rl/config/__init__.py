@@ -23,7 +23,7 @@ from .sections import (
 
 __all__ = [
     "ActorConfig", "AgentConfig", "AlgoConfig", "CheckpointConfig", "Config", "CriticConfig", "CriticModelConfig", "DataConfig", "EnvConfig",
-    "FsdpConfig", "LoggingConfig", "LoraConfig", "MegatronConfig", "ModelConfig", "PoolsConfig", "RefConfig", "RewardConfig",
+    "FsdpConfig", "LoggingConfig", "LoraConfig", "MegatronConfig", "ModelConfig", "PlanConfig", "PoolsConfig", "RefConfig", "RewardConfig",
     "RewardModelConfig", "RolloutConfig", "TeacherConfig", "TeacherModelConfig", "TrainerConfig", "from_yaml", "load_config", "split_config_flag",
     "to_dict", "to_yaml", "validate",
 ]
