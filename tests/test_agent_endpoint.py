@@ -132,6 +132,7 @@ def test_the_openai_client_drives_a_two_turn_agent_and_its_tokens_are_trained_on
     # each follow-up prefilled only its new tokens: its first turn's K/V (the prompt and every reply
     # token but the last; the replies were cut at max_tokens=5 of the round's 8) was parked under it
     assert got["reused"] == _first_turns(out) > 0
+    assert out["env_reused_tokens"].sum() == got["reused"]  # per episode in the rows (env/prefill_reused_frac)
     codes = [code for code, _ in got["errors"]]
     assert codes == [400, 400, 400, 404], got["errors"]
     assert "not JSON" in got["errors"][0][1] and "`n` must be 1" in got["errors"][2][1]

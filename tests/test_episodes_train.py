@@ -88,6 +88,7 @@ def test_a_user_environment_under_train(tmp_path) -> None:
         assert m["env/turns/mean"] == 3 and m["env/turns/max"] == 3
         assert abs(m["critic/score/mean"] - 0.75) < 1e-6 and abs(m["env/reward/mean"] - 0.75) < 1e-6
         assert m["env/truncated_frac"] == 0 and m["env/tool_calls/mean"] == 0 and "timing_s/env" in m
+        assert 0.3 < m["env/prefill_reused_frac"] < 1  # turns 2 and 3 continued from the parked K/V
 
 
 def test_a_failing_environment_stops_the_run_or_is_skipped(tmp_path) -> None:
@@ -237,3 +238,7 @@ def test_more_episodes_than_slots_still_reuse_their_prefixes() -> None:
     answers = (present - 24) // 2
     prompts = outs[True]["prompt_lengths"]
     assert int(((prompts + 7) + (prompts + 8 + answers + 7)).sum()) == outs[True]["reused"]
+    # the rows count it per episode (env/prefill_reused_frac): fed P, P + 8 + e, P + 16 + 2e tokens
+    assert outs[True]["env_reused_tokens"].sum() == outs[True]["reused"] and outs[False]["env_reused_tokens"].sum() == 0
+    for out in outs.values():
+        assert torch.equal(out["env_fed_tokens"], 3 * prompts + 24 + 3 * answers)

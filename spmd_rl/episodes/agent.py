@@ -185,6 +185,7 @@ class AgentRunner:
         keep = self.reuse_prefixes
         slots = getattr(engine, "batch_size", None) if keep else None
         forget = getattr(engine, "forget_prefixes", lambda *keys: None)
+        take_reused = getattr(engine, "take_reused_tokens", lambda key: 0)
         forget()  # the keys below are this round's episodes
         running = dict(agents)  # the agents that have not returned
         open_keys = set(running.values())
@@ -225,11 +226,13 @@ class AgentRunner:
                 holding.add(key)
                 waiting.remove(request)
                 live[key] = request
+                request.session.episode.fed += len(request.tokens)
                 out.append((key, request.tokens, request.max_new))
             return out
 
         def done(key: str, tokens: torch.Tensor, logprobs: torch.Tensor, swaps: torch.Tensor, truncated: bool) -> None:
             request = live.pop(key)
+            request.session.episode.reused += take_reused(key)
             request.reply, request.logprobs, request.truncated = tokens.tolist(), logprobs.tolist(), truncated
             request.done.set()
             if key not in open_keys:  # its agent returned while it was generated (it timed out)

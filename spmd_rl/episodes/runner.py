@@ -59,6 +59,8 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     seconds: float = 0.0  # inside reset, step and tools
+    fed: int = 0  # tokens its turns were fed with (prompt and context), summed over its turns
+    reused: int = 0  # of those, the tokens whose K/V was still parked (not prefilled again)
     done: bool = False
     truncated: bool = False
     failed: str | None = None
@@ -129,6 +131,7 @@ class EpisodeRunner:
         slots = getattr(engine, "batch_size", None) if self.reuse_prefixes else None
         under_way = [0]
         forget = getattr(engine, "forget_prefixes", lambda *keys: None)
+        take_reused = getattr(engine, "take_reused_tokens", lambda key: 0)
 
         def collect(futures: list[Future]) -> None:
             for future in futures:
@@ -148,9 +151,12 @@ class EpisodeRunner:
                 new, fresh[:] = fresh[:room], fresh[room:]
                 taken += new
                 under_way[0] += len(new)
+            for i in taken:
+                episodes[i].fed += len(episodes[i].prompt) + len(episodes[i].tokens)
             return [(i, episodes[i].prompt + episodes[i].tokens) for i in taken]
 
         def done(key: int, tokens: torch.Tensor, logprobs: torch.Tensor, swaps: torch.Tensor, truncated: bool) -> None:
+            episodes[key].reused += take_reused(key)
             steps[pool.submit(self._turn, episodes[key], tokens.tolist(), logprobs.tolist())] = key
 
         longest = max(len(e.prompt) for e in episodes) + self.max_tokens
@@ -250,7 +256,8 @@ def episode_rows(episodes: list[Episode]) -> dict[str, torch.Tensor]:
     counts = {"prompt_lengths": [len(e.prompt) for e in episodes], "truncated": [e.truncated for e in episodes],
               "env_turns": [e.turns for e in episodes], "env_failed": [e.failed is not None for e in episodes],
               "env_tool_calls": [e.tool_calls + int(getattr(e.env, "tool_calls", 0)) for e in episodes],
-              "env_tool_errors": [e.tool_errors + int(getattr(e.env, "tool_errors", 0)) for e in episodes]}
+              "env_tool_errors": [e.tool_errors + int(getattr(e.env, "tool_errors", 0)) for e in episodes],
+              "env_fed_tokens": [e.fed for e in episodes], "env_reused_tokens": [e.reused for e in episodes]}
     out.update({k: torch.tensor(v, dtype=torch.long) for k, v in counts.items()})
     out["env_reward"] = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
     out["env_seconds"] = torch.tensor([e.seconds for e in episodes], dtype=torch.float32)

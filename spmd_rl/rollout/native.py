@@ -278,6 +278,10 @@ class NativeRollout(RolloutWeights):
         """Prompt tokens that ``keep_prefixes`` streams did not prefill again (0 without the fast path)."""
         return self._fast.reused_tokens if self._fast is not None else 0
 
+    def take_reused_tokens(self, key: Hashable) -> int:
+        """Of those, ``key``'s since the last take (an episode's: ``env/prefill_reused_frac``)."""
+        return self._fast.take_reused(key) if self._fast is not None else 0
+
     def _generate_piece(
         self, rows: list[list[int]], *, limits: list[int] | None, max_new_tokens: int,
         swap: Callable[[], bool] | None, swap_every: int, look: Callable[[], None] | None, **sampling,

@@ -87,7 +87,8 @@ def response_spec(pad_token_id: int, *, episodes: bool = False, experts: bool = 
 EPISODE_SPEC: dict[str, tuple[torch.dtype, float]] = {
     "context_mask": (torch.float32, 0.0), "prompt_ids": (torch.long, 0), "prompt_lengths": (torch.long, 0),
     "env_reward": (torch.float32, 0.0), "env_turns": (torch.long, 0), "env_tool_calls": (torch.long, 0),
-    "env_tool_errors": (torch.long, 0), "env_failed": (torch.long, 0), "env_seconds": (torch.float32, 0.0)}
+    "env_tool_errors": (torch.long, 0), "env_failed": (torch.long, 0), "env_seconds": (torch.float32, 0.0),
+    "env_fed_tokens": (torch.long, 0), "env_reused_tokens": (torch.long, 0)}
 """An episode round's tensors beyond a single-turn round's (``prompt_ids`` padded with 0, as the runner's)."""
 
 

@@ -75,6 +75,11 @@ class PrefixCache(SlotCache):
     def _init_prefixes(self) -> None:
         self.parked = {}  # key -> its parked prefix, oldest first
         self.reused_tokens = 0
+        self._reused_by_key: dict[Hashable, int] = {}  # not taken yet (take_reused)
+
+    def take_reused(self, key: Hashable) -> int:
+        """The tokens ``key``'s rows did not prefill again since the last take (its parked prefixes)."""
+        return self._reused_by_key.pop(key, 0)
 
     @property
     def can_park(self) -> bool:
@@ -194,6 +199,7 @@ class PrefixCache(SlotCache):
         for r in resumed:  # live again: no longer parked
             del self.parked[r.key]
             self.reused_tokens += len(r.parked.ids)
+            self._reused_by_key[r.key] = self._reused_by_key.get(r.key, 0) + len(r.parked.ids)
         return top
 
     def _extend_group(self, group: list[Resumed], limits: list[int]) -> int:

@@ -93,8 +93,10 @@ def to_batch(rows: Rows, prompt_ids: list[list[int]], *, place: Placement, n: in
 
 
 def episode_metrics(out: dict[str, torch.Tensor], acc: MetricAccumulator) -> None:
-    """``env/*``: turns, truncation, reward and tool calls per episode, and ``timing_s/env``, the
-    seconds this rank's episodes spent in their environments and tools (the most over the ranks)."""
+    """``env/*``: turns, truncation, reward and tool calls per episode, ``env/prefill_reused_frac`` (of the
+    tokens the episodes' turns were fed with, the share whose K/V was still parked: not prefilled
+    again), and ``timing_s/env``, the seconds this rank's episodes spent in their environments and
+    tools (the most over the ranks)."""
     for turns, cut, reward, calls, errors in zip(out["env_turns"].tolist(), out["truncated"].tolist(),
                                                  out["env_reward"].tolist(), out["env_tool_calls"].tolist(),
                                                  out["env_tool_errors"].tolist()):
@@ -103,6 +105,9 @@ def episode_metrics(out: dict[str, torch.Tensor], acc: MetricAccumulator) -> Non
         acc.add("env/reward/mean", reward)
         acc.add("env/tool_calls/mean", float(calls))
         acc.add("env/tool_errors/mean", float(errors))
+    fed, reused = out["env_fed_tokens"].sum().item(), out["env_reused_tokens"].sum().item()
+    if fed:
+        acc.add("env/prefill_reused_frac", reused / fed, fed)
     acc.add_max("env/turns/max", float(out["env_turns"].max()))
     acc.add_sum("env/failed", float(out["env_failed"].sum()))
     acc.add_max("timing_s/env", float(out["env_seconds"].sum()))
