@@ -132,8 +132,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 def project(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], b: torch.Tensor | None,
             ) -> torch.Tensor:
     """``x @ W.T + b``: ``w`` a weight (``F.linear``) or an FP8 ``(q, scale)`` pair
-    (:func:`~spmd_rl.rollout.fp8.fp8_linear`),
-    as :meth:`Fused.operand` gives it."""
+    (:func:`~spmd_rl.rollout.fp8.fp8_linear`), as :meth:`Fused.operand` gives it."""
     if isinstance(w, tuple):
         return fp8_linear(x, w[0], w[1], b)
     return F.linear(x, w, b)
