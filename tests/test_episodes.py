@@ -183,10 +183,40 @@ def test_python_math_runs_the_tool_then_scores_the_final_answer() -> None:
     replies = iter([f"Let me compute. {tool_call('print(4821 * 739 + 5)')}", "The answer is \\boxed{3562724}."])
     chat, total, turns, done = play(env, {"question": "What is 4821 * 739 + 5?", "answer": "3562724"},
                                     lambda chat: next(replies))
+    opening = len(PythonMathEnv().reset({"question": "What is 4821 * 739 + 5?", "answer": "3562724"}))
     assert (total, turns, done) == (1.0, 2, True)
-    assert chat[2] == {"role": "tool", "tool_call_id": "call00000", "name": "python", "content": "3562724"}
+    assert chat[opening + 1] == {"role": "tool", "tool_call_id": "call00000", "name": "python", "content": "3562724"}
     assert env.correct and env.used_tool and (env.tool_calls, env.tool_errors) == (1, 0)
     assert "`python` tool" in chat[0]["content"]
+
+
+def test_python_math_opens_with_the_call_format_and_worked_examples() -> None:
+    """The system message shows the call and the answer format; each worked example is a finished
+    episode whose call, run by the real tool, prints exactly what the example shows and whose boxed
+    answer the environment rewards; the row's question comes last, alone."""
+    from spmd_rl.episodes.builtin import PYTHON_MATH_EXAMPLES, PYTHON_MATH_SYSTEM
+    from spmd_rl.episodes.tools import ToolCall, parse_tool_calls, python_tool, run_calls
+
+    messages = PythonMathEnv().reset({"question": "What is 17 * 23?", "answer": "391"})
+    assert messages[0] == {"role": "system", "content": PYTHON_MATH_SYSTEM}
+    shown = parse_tool_calls(messages[0]["content"])
+    assert len(shown) == 1 and isinstance(shown[0], ToolCall) and shown[0].arguments == {"code": "print(37 * 48)"}
+    assert "\\boxed{1776}" in messages[0]["content"] and 37 * 48 == 1776
+    assert messages[-1] == {"role": "user", "content": "What is 17 * 23?"}
+    examples = messages[1:-1]
+    assert len(examples) == 4 * len(PYTHON_MATH_EXAMPLES) >= 8
+    assert any(not q.startswith("What is") for q, _, _ in PYTHON_MATH_EXAMPLES)  # a word problem among them
+    tools = {"python": python_tool()}
+    for i, (question, _, printed) in enumerate(PYTHON_MATH_EXAMPLES):
+        user, call, answer, final = examples[4 * i: 4 * i + 4]
+        assert (user, [m["role"] for m in (call, answer, final)]) == (
+            {"role": "user", "content": question}, ["assistant", "tool", "assistant"])
+        result, = run_calls(tools, parse_tool_calls(call["content"]))
+        assert not result.error and result.content == answer["content"] == str(printed)
+        env = PythonMathEnv()
+        env.reset({"question": question, "answer": str(printed)})
+        assert env.step(call["content"])[0] == [dict(answer, tool_call_id="call00000")]
+        assert env.step(final["content"]) == ([], 1.0, True)
 
 
 def test_python_math_counts_tool_errors_and_wrong_answers() -> None:
@@ -195,9 +225,11 @@ def test_python_math_counts_tool_errors_and_wrong_answers() -> None:
                     '<tool_call>{"name": "shell", "arguments": {}}</tool_call>', "It is 71."])
     chat, total, turns, _ = play(env, {"question": "Q?", "answer": "Natalia sold 48/2 = 24 clips.\n#### 72"},
                                  lambda chat: next(replies))
+    opening = len(chat) - 4
     assert total == 0.0 and turns == 2 and not env.correct
     assert (env.tool_calls, env.tool_errors) == (2, 2)
-    assert "missing argument(s) ['code']" in chat[2]["content"] and "no tool named 'shell'" in chat[3]["content"]
+    assert "missing argument(s) ['code']" in chat[opening + 1]["content"]
+    assert "no tool named 'shell'" in chat[opening + 2]["content"]
     env.reset({"question": "Q?", "answer": "#### 72"})
     assert env.step("so \\boxed{72}") == ([], 1.0, True) and not env.used_tool
 
@@ -211,12 +243,37 @@ def test_python_math_ends_unanswered_after_its_turns() -> None:
 
 def test_python_math_rows_hold_their_own_answers() -> None:
     rows = python_math_rows(50, seed=1)
-    assert rows == python_math_rows(50, seed=1)
+    assert rows == python_math_rows(50, seed=1) and rows != python_math_rows(50, seed=2)
     for row in rows:
-        expression = re.fullmatch(r"What is (.*)\?", row["question"]).group(1)
-        assert calculate(expression) == row["answer"]
+        numbers = [int(x) for x in re.findall(r"\d+", row["question"])]
+        if row["kind"] == "word":  # "... {b} ... {a} ... {c} ...": a * b, then c added or taken away
+            b, a, c = numbers
+            taken = "left" in row["question"] or "on loan" in row["question"]
+            assert int(row["answer"]) == a * b + (-c if taken else c) and 0 < c < a * b
+        else:
+            expression = re.fullmatch(r"What is (.*)\?", row["question"]).group(1)
+            assert calculate(expression) == row["answer"]
     with pytest.raises(ValueError, match="python_math: the row needs a `question`"):
         PythonMathEnv().reset({"prompt": 3})
+
+
+def test_python_math_rows_mix_easy_and_tool_sized_questions() -> None:
+    """Every kind in equal shares, in turn: two-digit sums (some within a small model's head), and
+    products, ``a * b ± c`` and word problems whose answers have 3 to 8 digits (the tool's work)."""
+    from spmd_rl.data.tasks import generate_episode_rows
+    from spmd_rl.episodes.builtin import PYTHON_MATH_EXAMPLES, PYTHON_MATH_KINDS
+
+    rows = python_math_rows(64, seed=0)
+    assert not {r["question"] for r in rows} & {q for q, _, _ in PYTHON_MATH_EXAMPLES}
+    assert PYTHON_MATH_KINDS == ("sum", "product", "product_plus", "word")
+    assert [r["kind"] for r in rows] == list(PYTHON_MATH_KINDS) * 16
+    digits = {kind: {len(r["answer"].lstrip("-")) for r in rows if r["kind"] == kind} for kind in PYTHON_MATH_KINDS}
+    assert digits["sum"] <= {2, 3} and digits["product"] <= {3, 4}
+    assert max(digits["product_plus"]) >= 7 and min(digits["word"]) >= 3 and max(digits["word"]) >= 5
+    assert len({r["question"].split(" ")[1] for r in rows if r["kind"] == "word"}) > 1  # several templates
+    train, val = generate_episode_rows("python_math", seed=0, val_size=8)
+    assert [s.columns for s in val] == python_math_rows(8, seed=1)
+    assert all(s.prompt == s.columns["question"] and s.answer == s.columns["answer"] for s in train[:8] + val)
 
 
 # --------------------------------------------------------------------------- TextArena

@@ -10,8 +10,12 @@
   ``answer``; a GSM8K ``answer`` with ``#### x`` is read as ``x``), the ``python`` tool available. A reply
   with tool calls gets the tools' answers (the environment runs them itself, in the thread that calls
   ``step``); the first reply without a tool call is the final answer, reward 1 when
-  :func:`spmd_rl.reward.math.math_score` accepts it. Rows: :func:`python_math_rows` (multi-digit
-  arithmetic) or any file with those columns.
+  :func:`spmd_rl.reward.math.math_score` accepts it. The episode opens with a system message that shows
+  the call format and the ``\\boxed{}`` answer (:data:`PYTHON_MATH_SYSTEM`), then two worked examples
+  played out as finished episodes (:data:`PYTHON_MATH_EXAMPLES`: question, call, the tool's answer, the
+  boxed answer), then the row's question: without the examples SmolLM2-135M-Instruct never calls the
+  tool (docs/RESULTS.md). Rows: :func:`python_math_rows` (sums, products, ``a * b ± c`` and word
+  problems in turn) or any file with those columns.
 
 Both count what the runner reports: ``turns``, and for ``python_math`` ``tool_calls`` and ``tool_errors``
 (attributes of the instance, read after the episode). Usage::
@@ -97,6 +101,37 @@ def _final_answer(answer: Any) -> str:
     return text.rsplit("####", 1)[1].strip() if "####" in text else text.strip()
 
 
+def _python_call(code: str) -> str:
+    return '<tool_call>{"name": "python", "arguments": {"code": "%s"}}</tool_call>' % code
+
+
+PYTHON_MATH_SYSTEM = (
+    "You can run Python with the `python` tool. To call it, write only a tool call like this:\n"
+    f"{_python_call('print(37 * 48)')}\n"
+    "The tool answers with what the program prints. Then reply with the final answer in \\boxed{}, for example "
+    "\\boxed{1776}.")
+"""``python_math``'s system message: the call format and the final answer's."""
+
+PYTHON_MATH_EXAMPLES: tuple[tuple[str, str, int], ...] = (
+    ("What is 38 * 291 - 5170?", "print(38 * 291 - 5170)", 38 * 291 - 5170),
+    ("A crate holds 57 bottles. How many bottles are in 4213 crates and 906 loose bottles?",
+     "print(4213 * 57 + 906)", 4213 * 57 + 906),
+)
+"""``python_math``'s worked examples ``(question, code, printed)``: each is played out before the row's
+question as one finished episode (the question, the call, the tool's answer, the boxed answer)."""
+
+
+def python_math_examples() -> list[dict]:
+    """The worked examples as chat messages, in the form the episode's own turns take."""
+    messages: list[dict] = []
+    for question, code, printed in PYTHON_MATH_EXAMPLES:
+        messages += [{"role": "user", "content": question},
+                     {"role": "assistant", "content": _python_call(code)},
+                     {"role": "tool", "tool_call_id": "call00000", "name": "python", "content": str(printed)},
+                     {"role": "assistant", "content": f"\\boxed{{{printed}}}"}]
+    return messages
+
+
 class PythonMathEnv:
     """``python_math``: answer a question, with the ``python`` tool at hand (see the module docstring)."""
 
@@ -116,9 +151,8 @@ class PythonMathEnv:
         self.limit = int(row.get("max_turns", self.max_turns))
         self.turns = self.tool_calls = self.tool_errors = 0
         self.correct = False
-        return [{"role": "user", "content": (
-            f"{question}\n\nYou can run Python code with the `python` tool to compute. When you know the answer, "
-            "reply without a tool call and put the final answer in \\boxed{}.")}]
+        return ([{"role": "system", "content": PYTHON_MATH_SYSTEM}] + python_math_examples()
+                + [{"role": "user", "content": question}])
 
     @property
     def used_tool(self) -> bool:
@@ -138,20 +172,48 @@ class PythonMathEnv:
         return tool_messages(results), 0.0, False
 
 
+PYTHON_MATH_KINDS = ("sum", "product", "product_plus", "word")
+"""``python_math_rows``' kinds of question, in turn: ``a + b`` (two digits each, which SmolLM2-135M sometimes
+adds right in its head), ``a * b`` (two digits each), ``a * b ± c`` (up to 4, 3 and 5 digits) and a word
+problem whose answer is ``a * b ± c`` (up to 3 digits each, ``c`` below the product)."""
+
+_WORD_PROBLEMS = (
+    ("A box holds {b} pencils. A school buys {a} boxes and {c} loose pencils. How many pencils does it buy?", 1),
+    ("A farm packs {b} eggs into each of {a} crates and sells {c} of the packed eggs. How many packed eggs are "
+     "left?", -1),
+    ("A printer prints {b} pages a minute for {a} minutes, then {c} more pages. How many pages does it print?", 1),
+    ("A library has {a} shelves of {b} books each. {c} of the books are on loan. How many books are on the "
+     "shelves?", -1),
+)
+
+
 def python_math_rows(n: int, seed: int) -> list[dict]:
-    """``n`` rows of ``python_math``: products and sums of multi-digit numbers, awkward to do in one's head."""
+    """``n`` rows of ``python_math``, the kinds of :data:`PYTHON_MATH_KINDS` in turn (``kind``): sums a
+    small model sometimes gets right unaided, and products, longer expressions and word problems that
+    need the tool; the same for the same ``seed``."""
     if n < 0:
         raise ValueError(f"python_math_rows: n must be >= 0, got {n}")
     rng = random.Random(f"{seed}/python_math")
     rows = []
-    for _ in range(n):
-        a, b, c = rng.randint(100, 9999), rng.randint(12, 999), rng.randint(1, 99999)
-        if rng.random() < 0.5:
-            rows.append({"question": f"What is {a} * {b} + {c}?", "answer": str(a * b + c)})
+    for i in range(n):
+        kind = PYTHON_MATH_KINDS[i % len(PYTHON_MATH_KINDS)]
+        if kind == "sum":
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            question, answer = f"What is {a} + {b}?", a + b
+        elif kind == "product":
+            a, b = rng.randint(12, 99), rng.randint(12, 99)
+            question, answer = f"What is {a} * {b}?", a * b
+        elif kind == "product_plus":
+            a, b, c, sign = rng.randint(100, 9999), rng.randint(12, 999), rng.randint(1, 99999), rng.choice((1, -1))
+            question, answer = f"What is {a} * {b} {'+' if sign > 0 else '-'} {c}?", a * b + sign * c
         else:
-            rows.append({"question": f"What is {a} * {b} - {c}?", "answer": str(a * b - c)})
+            template, sign = rng.choice(_WORD_PROBLEMS)
+            a, b = rng.randint(12, 999), rng.randint(12, 999)
+            c = rng.randint(1, min(999, a * b - 1))
+            question, answer = template.format(a=a, b=b, c=c), a * b + sign * c
+        rows.append({"question": question, "answer": str(answer), "kind": kind})
     return rows
 
 
-__all__ = ["GUESS_HIGH", "GUESS_LOW", "GUESS_TURNS", "GuessNumberEnv", "PythonMathEnv", "guess_number_rows",
-           "python_math_rows"]
+__all__ = ["GUESS_HIGH", "GUESS_LOW", "GUESS_TURNS", "GuessNumberEnv", "PYTHON_MATH_EXAMPLES", "PYTHON_MATH_KINDS",
+           "PYTHON_MATH_SYSTEM", "PythonMathEnv", "guess_number_rows", "python_math_examples", "python_math_rows"]
