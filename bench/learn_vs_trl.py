@@ -315,7 +315,9 @@ def run_trl(args: argparse.Namespace, out_dir: str) -> tuple[list[dict], dict]:
     # fp32 master weights as ours (bf16 weights would round AdamW's 2e-6 steps away); the same stop tokens
     # as our rollout (EOS and the chat's end-of-turn ids): TRL ends a completion at generation_config's ids
     attention = "eager" if args.trl_attention == "eager" else "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attention)
+    # no Hub kernels on either side (spmd_rl.models.load_causal_lm): a fresh transformers fetches them at .train()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attention,
+                                                 use_kernels=False)
     model.generation_config.eos_token_id = eos_token_ids(tokenizer)
     trainer = GRPOTrainer(model=model, reward_funcs=[sums_reward], args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[Clock(), GradWatch()])

@@ -24,6 +24,10 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 # One thread per process, as CI runs (.ci/run): a test starts several rank processes, and each of
 # `pytest -n N`'s workers with a thread per core would oversubscribe the machine many times over.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The tests' own Hugging Face reference models (``from_pretrained(...).cuda().eval()``) kernelize
+# through the ``kernels`` package on a GPU, which fetches kernels from the Hub (no internet there);
+# the product's loaders pass ``use_kernels=False`` themselves (spmd_rl.models.load_causal_lm).
+os.environ.setdefault("USE_HUB_KERNELS", "NO")
 
 
 import logging  # noqa: E402

@@ -76,6 +76,19 @@ def test_tiny_random_resolves_and_loads(tiny_folder: str) -> None:
     assert count_params(model) == 2 * v * h + 2 * per_layer + h
 
 
+def test_loaded_models_fetch_no_kernels_from_the_hub(tiny_folder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the ``kernels`` package installed, transformers kernelizes a loaded model unless told not to,
+    and on a GPU its ``.train()`` / ``.eval()`` then fetches kernels from the Hub; the product's loaders
+    turn that off (conftest turns it off for the tests' own reference models: undone here)."""
+    if deps.missing("kernels"):
+        pytest.skip("the kernels package is not installed: transformers kernelizes nothing")
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    hub_default = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    ours = load_causal_lm(tiny_folder, dtype=torch.float32)
+    assert hub_default.use_kernels, "transformers no longer kernelizes by default: this test checks nothing"
+    assert not ours.use_kernels and not ours.train().use_kernels
+
+
 def test_tiny_random_is_deterministic_per_seed(tmp_path: Path, tiny_folder: str) -> None:
     same = resolve_model_path("tiny-random", cache_dir=str(tmp_path))
     other = tiny_model_folder(str(tmp_path), seed=1)

@@ -45,7 +45,8 @@ def load_value_model(folder: str, *, dtype: torch.dtype, seed: int, trust_remote
     try:
         model, info = AutoModelForTokenClassification.from_pretrained(
             folder, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation, output_loading_info=True)
+            attn_implementation=attn_implementation, output_loading_info=True,
+            use_kernels=False)  # no Hub kernels (spmd_rl.models.load_causal_lm)
     finally:
         hf_logging.set_verbosity(verbosity)
     score = model.score

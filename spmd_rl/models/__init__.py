@@ -98,7 +98,12 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
-    """Load a causal LM from a local folder onto the CPU in ``dtype``, in eval mode."""
+    """Load a causal LM from a local folder onto the CPU in ``dtype``, in eval mode.
+
+    ``use_kernels=False``: with the ``kernels`` package installed (transformers >= 5.2x depends on it),
+    transformers kernelizes a loaded model by default and, once it is on a GPU, fetches RMSNorm / RoPE
+    kernels from the Hugging Face Hub at ``.train()`` / ``.eval()`` (an error without internet); a run
+    must not depend on the Hub, and the engines fuse those layers themselves."""
     from transformers import AutoModelForCausalLM
 
     from spmd_rl import console
@@ -106,6 +111,7 @@ def load_causal_lm(
     console.phase(f"loading the weights of {Path(folder).name}")
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation,
+        use_kernels=False,
     )
     model.eval()
     return model
@@ -118,6 +124,7 @@ def load_reward_model(folder: str, *, dtype: torch.dtype, trust_remote_code: boo
 
     model = AutoModelForSequenceClassification.from_pretrained(
         folder, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
+        use_kernels=False,  # no Hub kernels (load_causal_lm)
     )
     if model.config.num_labels != 1:
         raise ValueError(

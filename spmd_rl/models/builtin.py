@@ -159,7 +159,7 @@ def _dequantise_gguf(dst: Path, gguf_file: Path, name_or_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_file.parent), gguf_file.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, use_kernels=False)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     _strip_quantization(model)
     model.config.name_or_path = name_or_path
