@@ -267,7 +267,7 @@ def test_the_benchmark_runs_on_the_cpu(tmp_path: Path, capsys) -> None:
     out = tmp_path / "rows.jsonl"
     fp8_rollout.main(["--speed-shapes", "tiny", "--batches", "4", "--prompt-len", "8", "--new-tokens", "8",
                       "--gap-model", "tiny", "--gap-prompts", "2", "--gap-n", "2", "--gap-new-tokens", "6",
-                      "--root", str(tmp_path / "models"), "--out", str(out)])
+                      "--root", str(tmp_path / "models"), "--out", str(out), "--device", "cpu"])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     speed, gap = [r for r in rows if r["kind"] == "speed"], [r for r in rows if r["kind"] == "gap"]
     assert [r["weights"] for r in speed] == ["float32", "fp8"] and speed[1]["fp8_gemms"] == speed[1]["gemms"]
