@@ -104,7 +104,7 @@ def build_run_groups(plan: Plan, env: DistEnv, *, close_timeout_s: float = 60.0)
     rows = gather_rank_table(env, pool_ranks)
     device_type = env.device.type
     actor_mesh = plan.fsdp.build(device_type, start=plan.pool(GLOBAL).start) if plan.fsdp is not None else None
-    if plan.megatron is not None and plan.pool(GLOBAL).size < env.world_size:
+    if "megatron" in plan.actor_meshes and plan.pool(GLOBAL).size < env.world_size:
         # megatron-core's groups over the global pool (ranks 0..size-1), created on every rank of the world
         from spmd_rl.engine.megatron.groups import create_model_parallel_groups
 

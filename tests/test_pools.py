@@ -274,6 +274,31 @@ def _pool_groups_worker(rank: int, world: int) -> dict:
     return out
 
 
+def _fsdp_pool_groups_worker(rank: int, world: int) -> dict:
+    """An FSDP run with a rollout pool builds its groups without megatron-core (an optional extra):
+    megatron's group builder refuses here, as a machine without the package would."""
+    from spmd_rl.config import ActorConfig, Config, DataConfig, PoolsConfig
+    from spmd_rl.distributed.env import DistEnv
+    from spmd_rl.engine.megatron import groups as megatron_groups
+    from spmd_rl.plan import plan
+    from spmd_rl.world import build_run_groups
+
+    def refuse(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'megatron' (an FSDP run must not need it)")
+
+    megatron_groups.create_model_parallel_groups = refuse
+    env = DistEnv.from_environ().init(device="cpu")
+    cfg = Config(pools=PoolsConfig(rollout_ranks=1), data=DataConfig(train_batch_size=2),
+                 actor=ActorConfig(ppo_mini_batch_size=2))
+    groups = build_run_groups(plan(cfg, world), env, close_timeout_s=10)
+    return {name: groups.pools.get(name).spec.ranks for name in ("global", "rollout")}
+
+
+def test_an_fsdp_run_with_a_rollout_pool_needs_no_megatron() -> None:
+    res = run_distributed(_fsdp_pool_groups_worker, 2)
+    assert res[0] == res[1] == {"global": [0], "rollout": [1]}
+
+
 def test_pool_groups_made_on_every_rank_served_on_the_pool() -> None:
     """vLLM's groups over a rollout pool (spmd_rl.rollout.vllm_groups, no vLLM needed): made on every
     rank of the world, handed out on the pool's ranks only."""
