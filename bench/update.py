@@ -164,7 +164,8 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
                 continue
             if args.profile and dev.type == "cuda":
                 profile_step(engine, micros, loss_fn, show=env.is_main, label=f"{shape} {name}{suffix}",
-                             top=args.profile_top)
+                             top=args.profile_top, trace=args.profile_trace and env.is_main
+                             and os.path.join(args.profile_trace, f"{shape}_{name}{suffix}.json.gz".replace("+", "_")))
             s = statistics.median(seconds)
             peak = peak_flops(dev)
             row: dict[str, object] = {
@@ -184,20 +185,37 @@ def bench_shape(shape: str, args: argparse.Namespace, env: DistEnv) -> list[dict
     return rows_out
 
 
-def profile_step(engine: FSDPEngine, micros: list, loss_fn, *, show: bool, label: str, top: int) -> None:
+def profile_step(engine: FSDPEngine, micros: list, loss_fn, *, show: bool, label: str, top: int,
+                 trace: str | None = None) -> None:
     """One more step under torch.profiler: device time of the kernels by group (GEMM / attention /
     the rest), then the ``top`` torch ops and kernels that took longest, to see what an MFU short of
-    the matmul peak is spent on."""
+    the matmul peak is spent on; then one step under cProfile: the host's functions by their own time
+    (every rank runs both steps; the main rank prints). ``trace``: the profiled step's Chrome trace,
+    with Python stacks, to that path."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from spmd_rl.profiling import format_idle_gaps, idle_gaps
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(trace)) as prof:
         start = time.perf_counter()
         engine.train_mini_batch(micros, loss_fn, temperature=1.0, need_entropy_grad=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    if trace:
+        os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+        prof.export_chrome_trace(trace)
+    # the host's side: the Python functions of one more step by their own time (where the device waits
+    # "(no torch range: Python)", the host is in one of these)
+    host = cProfile.Profile()
+    host.enable()
+    engine.train_mini_batch(micros, loss_fn, temperature=1.0, need_entropy_grad=False)
+    torch.cuda.synchronize()
+    host.disable()
     if not show:
         return
     events = prof.key_averages()
@@ -219,6 +237,11 @@ def profile_step(engine: FSDPEngine, micros: list, loss_fn, *, show: bool, label
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
             print(f"  {100 * e.self_device_time_total / total:5.1f} %  {e.self_device_time_total / 1e3:8.1f} ms  "
                   f"x{e.count:<5d} {e.key[:110]}", flush=True)
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
+    body = text.getvalue()
+    print(f"  top {top} host functions by own time (cProfile, one step):", flush=True)
+    print("\n".join("  " + line for line in body[body.find("ncalls"):].splitlines() if line.strip()), flush=True)
 
 
 HEADER = (f"{'shape':11s} {'layout':22s} {'gpus':>4s} {'micro':>5s} {'tokens':>8s} {'s/step':>7s} {'tok/s':>9s} "
@@ -355,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", action="store_true", help="GPU: one more step per layout under torch.profiler, "
                    "kernel time by group, the top torch ops and kernels")
     p.add_argument("--profile-top", type=int, default=15, help="how many ops and kernels --profile lists")
+    p.add_argument("--profile-trace", default=None, metavar="DIR",
+                   help="--profile: each profiled step's Chrome trace, with Python stacks, into DIR")
     p.add_argument("--gpus", type=int, nargs="+", default=None, help="run once per GPU count (torchrun) and compare")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--models", default=default_root(), help="where the random-weight model folders are built")

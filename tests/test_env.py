@@ -85,3 +85,16 @@ def test_srun_env_without_ntasks_per_node():
     env = DistEnv.from_environ(SRUN_NO_PER_NODE)
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank) == (1, 1, 2, 2, 0)
     assert (env.master_addr, env.master_port, env.launcher) == ("vm", 20006, "slurm")
+
+
+def test_a_gpu_rank_runs_host_ops_on_one_thread_unless_told():
+    """A GPU process without OMP_NUM_THREADS gets one intra-op thread (host_threads' docstring: the
+    pool as wide as the machine stalled each small op of the update); a CPU run and a set
+    OMP_NUM_THREADS keep torch's choice."""
+    import torch
+
+    from spmd_rl.distributed.env import host_threads
+
+    assert host_threads(torch.device("cuda", 0), {}) == 1
+    assert host_threads(torch.device("cuda", 0), {"OMP_NUM_THREADS": "8"}) is None
+    assert host_threads(torch.device("cpu"), {}) is None

@@ -158,6 +158,9 @@ class DistEnv:
         sit on different GPUs (each pool's own) carry device tensors."""
         self.colocate = colocate
         self.device = self.pick_device(device, colocate)
+        threads = host_threads(self.device, os.environ)
+        if threads is not None:
+            torch.set_num_threads(threads)
         if dist.is_initialized():
             return self
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
@@ -194,6 +197,19 @@ class DistEnv:
             "local_rank": self.local_rank,
             "device": str(self.device),
         }
+
+
+def host_threads(device: torch.device, environ: Mapping[str, str]) -> int | None:
+    """The torch intra-op threads of a process on ``device``, None to keep torch's choice.
+
+    A GPU rank's host side is small tensor ops (packing, staging); a thread pool as wide as the machine
+    beside the CUDA and autograd threads oversubscribes it, and each op then waits for a descheduled
+    worker (~8 ms): one thread, as torchrun sets for several processes per node (an MoE update of one
+    process on an H200 host: 1.82 s a step with 16 threads, 0.83 s with one; docs/PERF.md). A CPU run's
+    threads are its compute, and ``OMP_NUM_THREADS`` when set is the user's choice."""
+    if device.type != "cuda" or "OMP_NUM_THREADS" in environ:
+        return None
+    return 1
 
 
 def _restart_safe_store(env: "DistEnv", timeout: timedelta) -> dist.Store | None:
