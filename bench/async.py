@@ -32,6 +32,12 @@ name too (random weights of that shape, built under ``--root``). ``--out`` appen
 
     python bench/async.py --model qwen3-1.7b --prompts 32 --n 8 --length-dist lognormal --min-new-tokens 64 \
         --max-new-tokens 2048 --batch-size 256 --micro-batch 16 --staleness 0 1 --steps 6   # e2e tok/s per GPU
+    python bench/async.py --model qwen2.5-7b --prompts 32 --n 8 --length-dist lognormal --min-new-tokens 64 \
+        --max-new-tokens 2048 --batch-size 256 --micro-batch 8 --staleness 0 1 --steps 4 \
+        --actor.lora.rank 16 --actor.lora.alpha 32 --actor.use-packing --actor.max-tokens-per-gpu 6144   # 7B, one GPU
+
+Flags this script does not know (``--actor.*``, ``--rollout.*``, ...) go to every ``spmd_rl.train`` run
+as they are, after the script's own.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from shapes import SHAPES, model_folder  # noqa: E402
 
 
 def run(staleness: int, args: argparse.Namespace, out_dir: str, *, stream: bool = False,
-        staged: bool = False) -> list[dict]:
+        staged: bool = False, train_flags: tuple[str, ...] = ()) -> list[dict]:
     flags = ["--model.path", args.model, "--data.train-batch-size", str(args.prompts), "--rollout.n", str(args.n),
              "--rollout.max-new-tokens", str(args.max_new_tokens), "--rollout.ignore-eos",
              "--actor.ppo-mini-batch-size", str(args.prompts), "--actor.micro-batch-size", str(args.micro_batch),
@@ -65,7 +71,7 @@ def run(staleness: int, args: argparse.Namespace, out_dir: str, *, stream: bool 
              *(["--rollout.stage-weights"] if staged and staleness else []),
              "--trainer.total-steps", str(args.steps), "--trainer.val-every", "0", "--trainer.device", args.device,
              "--logging.wandb", "off", "--logging.no-console", "--checkpoint.no-save-final",
-             "--trainer.output-dir", out_dir]
+             "--trainer.output-dir", out_dir, *train_flags]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
            "-m", "spmd_rl.train", *flags]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
@@ -100,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    args, train_flags = p.parse_known_args(argv)
+    if train_flags and not train_flags[0].startswith("--"):
+        p.error(f"unrecognized arguments: {' '.join(train_flags)}")
     if args.model in SHAPES:
         args.model = model_folder(args.model, root=args.root)
     if args.partial and args.stage_weights != "off":
@@ -109,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                else f"{args.length_dist} {args.min_new_tokens}..{args.max_new_tokens}")
     print(f"async GRPO: {args.model}, {args.prompts} prompts x {args.n} x {lengths} tokens, "
           f"{args.nproc} processes ({args.colocate} per device){', partial rollouts' if args.partial else ''}, "
-          f"median of steps 3..{args.steps}")
+          f"median of steps 3..{args.steps}{(', ' + ' '.join(train_flags)) if train_flags else ''}")
     print(f"{'staleness':>9s} {'s/step':>7s} {'samples/s':>9s} {'tok/s/GPU':>9s} {'speed-up':>8s} {'model':>6s} "
           f"{'actor idle':>10s} {'rollout idle':>12s} {'partial':>7s} {'score':>6s} {'gen / logp / update / sync s':>28s}",
           flush=True)
@@ -122,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
         variants = [(stream, staged) for stream in ways[args.stream] for staged in ways[args.stage_weights]]
         for s, (stream, staged) in [(s, v) for s in args.staleness for v in (variants if s else [(False, False)])]:
             mark = "s" * stream + "w" * staged
-            rows = [r for r in run(s, args, os.path.join(tmp, f"s{s}{mark}"), stream=stream, staged=staged)
+            rows = [r for r in run(s, args, os.path.join(tmp, f"s{s}{mark}"), stream=stream, staged=staged,
+                                      train_flags=tuple(train_flags))
                     if r["step"] >= 3]
             med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)  # noqa: E731
             step = med("timing_s/step")

@@ -5,7 +5,7 @@
     python bench/memory.py --tiny                       # CPU smoke run: the tiny shape, estimate only
 
 Each configuration runs in a process of its own (a world of one): a random-weight model folder of a real
-shape (``bench/shapes.py``, built once under ``--models``; Qwen2.5-7B's shape is added here), prompts of
+shape (``bench/shapes.py``, built once under ``--models``), prompts of
 exactly ``--prompt-len`` tokens, ``--new-tokens`` tokens per response (EOS ignored), a random reward, the
 trainer's defaults otherwise (FSDP engine, built-in rollout, KL to a reference). The process plans the run
 as ``spmd_rl.train`` does (``plan()`` with the GPU's memory: its ``Plan.memory`` is the estimate), builds
@@ -40,10 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes  # noqa: E402
 
 GIB = 2**30
-# Qwen2.5-7B: 28 layers, hidden 3584, 28 heads / 4 KV heads of 128 (q/k/v biases), MLP 18944, vocab 152064, untied.
-shapes.SHAPES.setdefault("qwen2.5-7b", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                                            num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                                            tie_word_embeddings=False))
 CONFIGS: dict[str, tuple[str, list[str]]] = {
     "qwen3-1.7b": ("qwen3-1.7b", []),
     "qwen3-1.7b-offload": ("qwen3-1.7b", ["--actor.fsdp.param-offload", "--actor.fsdp.optimizer-offload",

@@ -36,6 +36,9 @@ SHAPES: dict[str, dict[str, object]] = {
     "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        tie_word_embeddings=True),
+    # Qwen2.5-7B: 28 layers, hidden 3584, 28 heads / 4 KV heads of 128 (q/k/v biases), MLP 18944, vocab 152064, untied.
+    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
     # Qwen3-30B-A3B's layer (128 experts of 768, top-8, renormalised; 32 heads / 4 KV heads of 128, hidden
     # 2048) with 6 of its 48 layers: 3.9B parameters, 0.5B active per token, so fp32 AdamW fits one GPU.
     "qwen3-moe-6l": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -104,6 +107,8 @@ def model_folder(shape: str, *, root: str) -> str:
         model.save_pretrained(folder)
         build_char_tokenizer(model_max_length=32768).save_pretrained(folder)
         del model
+        if device == "cuda":  # the caller may start the runs on this GPU: hand the cached blocks back
+            torch.cuda.empty_cache()
         marker.touch()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
