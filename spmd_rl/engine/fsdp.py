@@ -83,7 +83,7 @@ from spmd_rl.engine import lora as lora_utils
 from spmd_rl.engine.base import LossFn, NonfiniteGuard, lr_lambda
 from spmd_rl.engine.head import HeadRequest, LogprobHead, default_chunk_tokens, fused_available, keep_logits_bytes
 from spmd_rl.engine.inputs import Staged, stage
-from spmd_rl.engine.fsdp_state import FSDPCheckpointing, FSDPOffload
+from spmd_rl.engine.fsdp_state import FSDPCheckpointing, FSDPOffload, FSDPWeights
 from spmd_rl.engine.nanwatch import NonfiniteWatch
 from spmd_rl.engine.routing import RouterReplay
 from spmd_rl.engine.sharding import decoder_layers, shard_model
@@ -92,7 +92,7 @@ from spmd_rl.models import load_causal_lm
 
 log = logging.getLogger("spmd_rl")
 
-class FSDPEngine(FSDPCheckpointing, FSDPOffload):
+class FSDPEngine(FSDPCheckpointing, FSDPOffload, FSDPWeights):
     """Actor (trainable) or reference (frozen) model under FSDP2."""
 
     def __init__(
@@ -493,36 +493,3 @@ class FSDPEngine(FSDPCheckpointing, FSDPOffload):
         if self.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm, foreach=self.on_gpu)
         return float(norm)
-
-    # ------------------------------------------------------------------ weights out
-    @torch.no_grad()
-    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named tensors, one at a time (a collective per tensor: iterate on every rank).
-
-        Peak extra memory is one full tensor, so the rollout engine can load weights without a
-        second full model copy on the device. Shards are cast to ``dtype`` BEFORE the gather
-        (half the traffic and the temporary for fp32 -> bf16); on a one-rank mesh the shard is
-        the whole tensor and no collective runs.
-        """
-        self.onload()
-        if self.peft is not None:  # W + scale * B @ A under the HF names
-            yield from lora_utils.merged_named_tensors(self.model, dtype)
-            self.offload()
-            return
-        for name, param in self.model.named_parameters():
-            tensor = param.detach()
-            if dtype is not None:
-                tensor = tensor.to(dtype)  # a DTensor stays a DTensor: each rank casts its shard
-            if isinstance(tensor, DTensor):
-                tensor = tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
-            yield name, tensor
-        self.offload()
-
-    @contextmanager
-    def adapters_off(self) -> Iterator[None]:
-        """The frozen base model inside the block (adapters off, :func:`~spmd_rl.engine.lora.adapters_off`):
-        a LoRA run's reference."""
-        if self.peft is None:
-            raise ValueError("adapters_off() needs a LoRA engine (actor.lora.rank > 0)")
-        with lora_utils.adapters_off(self.model):
-            yield

@@ -1,11 +1,12 @@
-"""The FSDP engine's state: checkpoints (:class:`FSDPCheckpointing`) and memory between phases
-(:class:`FSDPOffload`), mixed into :class:`~spmd_rl.engine.fsdp.FSDPEngine` as the megatron engine's
+"""The FSDP engine's state: checkpoints (:class:`FSDPCheckpointing`), memory between phases
+(:class:`FSDPOffload`) and its weights as full tensors (:class:`FSDPWeights`), mixed into :class:`~spmd_rl.engine.fsdp.FSDPEngine` as the megatron engine's
 are (:mod:`spmd_rl.engine.megatron.reshard`, :mod:`spmd_rl.engine.megatron.offload`).
 
     state = engine.state_dict()     # this rank's shards under HF names, for torch.distributed.checkpoint
     engine.load_state_dict(state)   # after DCP filled it in place; this run's optimizer settings apply
     engine.offload()                # between phases (actor.fsdp.param_offload / optimizer_offload)
     engine.onload(optimizer=True)   # before an update
+    for name, t in engine.named_full_tensors(torch.bfloat16): ...   # to the rollout (every rank iterates)
 
 Both read the engine's attributes: ``model``, ``optimizer``, ``scheduler``, ``actor``, ``peft``,
 ``device``, ``on_gpu``, ``param_offload``, ``optimizer_offload`` and the two ``_*_on_device`` flags.
@@ -13,7 +14,11 @@ Both read the engine's attributes: ``model``, ``optimizer``, ``scheduler``, ``ac
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from spmd_rl.engine import host_memory
@@ -128,3 +133,39 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":  # AdamW keeps `step` on CPU
                 state[key] = value.to(device)
+
+
+class FSDPWeights:
+    """The weights out: full HF-named tensors for the rollout and a LoRA run's base model."""
+
+    @torch.no_grad()
+    def named_full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, one at a time (a collective per tensor: iterate on every rank).
+
+        Peak extra memory is one full tensor, so the rollout engine can load weights without a
+        second full model copy on the device. Shards are cast to ``dtype`` BEFORE the gather
+        (half the traffic and the temporary for fp32 -> bf16); on a one-rank mesh the shard is
+        the whole tensor and no collective runs.
+        """
+        self.onload()
+        if self.peft is not None:  # W + scale * B @ A under the HF names
+            yield from lora_utils.merged_named_tensors(self.model, dtype)
+            self.offload()
+            return
+        for name, param in self.model.named_parameters():
+            tensor = param.detach()
+            if dtype is not None:
+                tensor = tensor.to(dtype)  # a DTensor stays a DTensor: each rank casts its shard
+            if isinstance(tensor, DTensor):
+                tensor = tensor.to_local() if tensor.device_mesh.size() == 1 else tensor.full_tensor()
+            yield name, tensor
+        self.offload()
+
+    @contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """The frozen base model inside the block (adapters off, :func:`~spmd_rl.engine.lora.adapters_off`):
+        a LoRA run's reference."""
+        if self.peft is None:
+            raise ValueError("adapters_off() needs a LoRA engine (actor.lora.rank > 0)")
+        with lora_utils.adapters_off(self.model):
+            yield
