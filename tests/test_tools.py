@@ -10,9 +10,10 @@ import time
 
 import pytest
 
+from spmd_rl.episodes.tool_prompt import supports_tools, tools_prompt, with_tools_prompt
 from spmd_rl.episodes.tools import (
     CALL_FORMAT, Tool, ToolCall, ToolCallError, ToolRunner, build_tools, calculate, check_arguments, parse_tool_calls,
-    run_call, tool_from_function, tool_messages, tools_prompt, supports_tools, with_tools_prompt,
+    run_call, tool_from_function, tool_messages,
 )
 
 

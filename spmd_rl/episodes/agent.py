@@ -48,7 +48,8 @@ import torch
 
 from spmd_rl.episodes.framing import TurnFraming
 from spmd_rl.episodes.runner import Episode, episode_rows
-from spmd_rl.episodes.tools import Tool, ToolCall, parse_tool_calls, supports_tools, tools_prompt
+from spmd_rl.episodes.tool_prompt import supports_tools, tools_prompt
+from spmd_rl.episodes.tools import Tool, ToolCall, parse_tool_calls
 from spmd_rl.models.tokenizer import decode_tokens
 from spmd_rl.user_code import import_object
 
@@ -331,7 +332,7 @@ def _with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
 
 
 def tools_prompt_from_schemas(tools: list[dict]) -> str:
-    """:func:`~spmd_rl.episodes.tools.tools_prompt` for OpenAI tool definitions."""
+    """:func:`~spmd_rl.episodes.tool_prompt.tools_prompt` for OpenAI tool definitions."""
     listed = [Tool(name=t["function"]["name"], description=t["function"].get("description", ""),
                    parameters=t["function"].get("parameters", {"type": "object", "properties": {}}), fn=None)
               for t in tools]

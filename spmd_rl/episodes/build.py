@@ -14,7 +14,8 @@ from spmd_rl.episodes.agent import AgentRunner, load_agent
 from spmd_rl.episodes.env import load_env
 from spmd_rl.episodes.framing import TurnFraming
 from spmd_rl.episodes.runner import EpisodeRunner
-from spmd_rl.episodes.tools import build_tools, supports_tools
+from spmd_rl.episodes.tool_prompt import supports_tools
+from spmd_rl.episodes.tools import build_tools
 
 
 def episodes_on(cfg: Any) -> bool:

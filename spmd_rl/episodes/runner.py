@@ -37,7 +37,8 @@ import torch
 from spmd_rl.distributed.watchdog import current as current_watchdog
 from spmd_rl.episodes.env import Env, check_messages, check_step
 from spmd_rl.episodes.framing import TurnFraming
-from spmd_rl.episodes.tools import Tool, parse_tool_calls, run_calls, tool_messages, with_tools_prompt
+from spmd_rl.episodes.tool_prompt import with_tools_prompt
+from spmd_rl.episodes.tools import Tool, parse_tool_calls, run_calls, tool_messages
 from spmd_rl.models.tokenizer import decode_tokens
 
 log = logging.getLogger("spmd_rl")

@@ -457,48 +457,8 @@ class ToolRunner:
         self.close()
 
 
-# --------------------------------------------------------------------------- offering the tools
-
-def tools_prompt(tools: dict[str, Tool] | Sequence[Tool]) -> str:
-    """Instructions and JSON schemas of the tools, for a system message (templates without ``tools=``)."""
-    listed = list(tools.values()) if isinstance(tools, dict) else list(tools)
-    schemas = "\n".join(json.dumps(t.schema()) for t in listed)
-    return ("# Tools\n\nYou may call one or more tools. They are described by these JSON schemas:\n"
-            f"<tools>\n{schemas}\n</tools>\n\n"
-            f"To call a tool, write its name and arguments as JSON between tags:\n{CALL_FORMAT}\n"
-            "Each call is answered in a message of its own. When you give your final answer, call no tool.")
-
-
-def with_tools_prompt(messages: list[dict[str, Any]], tools: dict[str, Tool] | Sequence[Tool]) -> list[dict[str, Any]]:
-    """``messages`` with :func:`tools_prompt` appended to the system message (one is added if absent)."""
-    prompt = tools_prompt(tools)
-    if messages and messages[0].get("role") == "system":
-        first = dict(messages[0], content=f"{messages[0].get('content') or ''}\n\n{prompt}".lstrip())
-        return [first] + list(messages[1:])
-    return [{"role": "system", "content": prompt}] + list(messages)
-
-
-_PROBE_TOOL = {"type": "function", "function": {"name": "spmd_rl_probe_tool", "description": "probe",
-                                                 "parameters": {"type": "object", "properties": {}}}}
-
-
-def supports_tools(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template renders ``tools=`` (the probe tool's name appears in the
-    rendered prompt only when it is given); False without a chat template or when rendering fails."""
-    if not getattr(tokenizer, "chat_template", None):
-        return False
-    probe = [{"role": "user", "content": "hello"}]
-    try:
-        with_tools = tokenizer.apply_chat_template(probe, tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True)
-        without = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-    except Exception:
-        return False
-    return isinstance(with_tools, str) and with_tools != without and "spmd_rl_probe_tool" in with_tools
-
-
 __all__ = [
     "CALCULATOR", "CALL_FORMAT", "TOOL_OUTPUT_CHARS", "Tool", "ToolCall", "ToolCallError", "ToolName", "ToolResult",
     "ToolRunner", "ToolStats", "build_tools", "builtin_tools", "calculate", "check_arguments", "limit_calls",
-    "parse_tool_calls", "python_tool", "run_call", "run_calls", "supports_tools", "tool_from_function",
-    "tool_messages", "tools_prompt", "with_tools_prompt",
+    "parse_tool_calls", "python_tool", "run_call", "run_calls", "tool_from_function", "tool_messages",
 ]
