@@ -81,8 +81,8 @@ def _machine_share(request: pytest.FixtureRequest):
 # of several minutes (vLLM's subprocesses, the launchers' fault tests) would run alone at the end
 # while the other worker idles; started first, the short files fill in around it. Ordered by each
 # file's measured total (longest first).
-LONG_FILES = ("test_vllm_rollout.py", "test_process_lifecycle.py", "test_async.py", "test_pools.py",
-              "test_checkpoint.py", "test_multinode.py", "test_train_e2e.py", "test_slurm.py",
+LONG_FILES = ("test_learning.py", "test_vllm_rollout.py", "test_process_lifecycle.py", "test_async.py",
+              "test_pools.py", "test_checkpoint.py", "test_multinode.py", "test_train_e2e.py", "test_slurm.py",
               "test_reward_pool.py", "test_critic.py", "test_checkpoint_faults.py", "test_lora.py",
               "test_models.py", "test_fsdp_parity.py", "test_megatron_parity.py", "test_megatron_cp.py",
               "test_megatron_pools.py", "test_fsdp_depth.py", "test_dapo.py", "test_rollout_fast.py",
