@@ -1,6 +1,7 @@
 """The FSDP engine's state: checkpoints (:class:`FSDPCheckpointing`), memory between phases
-(:class:`FSDPOffload`) and its weights as full tensors (:class:`FSDPWeights`), mixed into :class:`~spmd_rl.engine.fsdp.FSDPEngine` as the megatron engine's
-are (:mod:`spmd_rl.engine.megatron.reshard`, :mod:`spmd_rl.engine.megatron.offload`).
+(:class:`FSDPOffload`) and its weights as full tensors (:class:`FSDPWeights`), mixed into
+:class:`~spmd_rl.engine.fsdp.FSDPEngine` as the megatron engine's are
+(:mod:`spmd_rl.engine.megatron.reshard`, :mod:`spmd_rl.engine.megatron.offload`).
 
     state = engine.state_dict()     # this rank's shards under HF names, for torch.distributed.checkpoint
     engine.load_state_dict(state)   # after DCP filled it in place; this run's optimizer settings apply
@@ -8,7 +9,7 @@ are (:mod:`spmd_rl.engine.megatron.reshard`, :mod:`spmd_rl.engine.megatron.offlo
     engine.onload(optimizer=True)   # before an update
     for name, t in engine.named_full_tensors(torch.bfloat16): ...   # to the rollout (every rank iterates)
 
-Both read the engine's attributes: ``model``, ``optimizer``, ``scheduler``, ``actor``, ``peft``,
+They read the engine's attributes: ``model``, ``optimizer``, ``scheduler``, ``actor``, ``peft``,
 ``device``, ``on_gpu``, ``param_offload``, ``optimizer_offload`` and the two ``_*_on_device`` flags.
 """
 
