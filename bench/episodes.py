@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -157,11 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    from spmd_rl.distributed.env import host_threads
+    from spmd_rl.distributed.env import use_host_threads
 
-    threads = host_threads(device, os.environ)  # the host threads a rollout rank of spmd_rl.train runs with
-    if threads is not None:
-        torch.set_num_threads(threads)
+    use_host_threads(device)  # the host threads a rollout rank of spmd_rl.train runs with
     rows = []
     print("| shape | case | episodes/s | model tok/s | of single | tool wait | reused |\n|---|---|---|---|---|---|---|")
     for shape in args.shapes:

@@ -228,7 +228,7 @@ def run_trl(args: argparse.Namespace, out_dir: str) -> tuple[list[dict], dict]:
 
     from spmd_rl.config import load_config
     from spmd_rl.data import build_prompts
-    from spmd_rl.distributed.env import host_threads
+    from spmd_rl.distributed.env import use_host_threads
     from spmd_rl.data.prompts import render_prompts, sample_messages
     from spmd_rl.models import eos_token_ids, resolve_model_path
     from spmd_rl.reward.registry import build_scorer
@@ -236,9 +236,7 @@ def run_trl(args: argparse.Namespace, out_dir: str) -> tuple[list[dict], dict]:
     cfg = load_config(common_flags(args))
     on_gpu = cfg.trainer.device == "cuda"
     device = torch.device("cuda" if on_gpu else "cpu")
-    threads = host_threads(device, os.environ)  # the host threads spmd_rl.train's process runs with
-    if threads is not None:
-        torch.set_num_threads(threads)
+    use_host_threads(device)  # the host threads spmd_rl.train's process runs with
     folder = resolve_model_path(cfg.model.path, cache_dir=cfg.model.cache_dir)
     held_out = HeldOut(cfg, folder, device)
     tokenizer = held_out.tokenizer

@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -74,7 +73,7 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spmd_rl.distributed.env import host_threads  # noqa: E402
+from spmd_rl.distributed.env import use_host_threads  # noqa: E402
 from spmd_rl.rollout import decode_attention  # noqa: E402
 from spmd_rl.rollout.fast import FastDecoder, batch_buckets  # noqa: E402
 from spmd_rl.rollout.stream import stream_decode  # noqa: E402
@@ -508,9 +507,7 @@ def main() -> None:
         parser.error(f"--stream-warmup ({args.stream_warmup}) and --stream-steps ({args.stream_steps}) must be >= 1")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    threads = host_threads(device, os.environ)  # the host threads a rollout rank of spmd_rl.train runs with
-    if threads is not None:
-        torch.set_num_threads(threads)
+    use_host_threads(device)  # the host threads a rollout rank of spmd_rl.train runs with
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, {dtype}, {args.prompt_len}-token prompts, fixed mix "

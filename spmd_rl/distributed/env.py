@@ -158,9 +158,7 @@ class DistEnv:
         sit on different GPUs (each pool's own) carry device tensors."""
         self.colocate = colocate
         self.device = self.pick_device(device, colocate)
-        threads = host_threads(self.device, os.environ)
-        if threads is not None:
-            torch.set_num_threads(threads)
+        use_host_threads(self.device)
         if dist.is_initialized():
             return self
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
@@ -210,6 +208,15 @@ def host_threads(device: torch.device, environ: Mapping[str, str]) -> int | None
     if device.type != "cuda" or "OMP_NUM_THREADS" in environ:
         return None
     return 1
+
+
+def use_host_threads(device: torch.device) -> None:
+    """Set this process's torch intra-op threads as :func:`host_threads` says for ``device`` (what every
+    process of ``spmd_rl.train`` does in :meth:`DistEnv.init`; the benchmarks that build engines
+    themselves call it so that they run as the trainer does)."""
+    threads = host_threads(device, os.environ)
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def _restart_safe_store(env: "DistEnv", timeout: timedelta) -> dist.Store | None:
