@@ -1,17 +1,22 @@
 """The test harness's device contract (``spmd_rl.distributed.testing``): CPU ranks are CPU processes
-on any machine, and CUDA ranks are spawned onto the GPUs, skipped where there are too few."""
+on any machine, and CUDA ranks are spawned onto the GPUs, skipped where there are too few. Its
+rendezvous ports: never one an outgoing connection or another test process can take."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+
+import pytest
 
 import torch
 import torch.distributed as dist
 
 from conftest import REPO
 from spmd_rl.distributed.env import DistEnv
-from spmd_rl.distributed.testing import cpu_env, run_distributed
+from spmd_rl.distributed import testing
+from spmd_rl.distributed.testing import cpu_env, free_port, run_distributed
 from support.devices import needs_gpus
 
 
@@ -42,3 +47,32 @@ def _on_the_gpu(rank: int, world: int) -> dict:
 @needs_gpus(1)
 def test_cuda_ranks_are_spawned_onto_the_gpus() -> None:
     assert run_distributed(_on_the_gpu, 1, backend="nccl", cuda=True) == [{"device": "cuda:0", "sum": 1.0}]
+
+
+def test_rendezvous_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice(tmp_path) -> None:
+    # two processes at once, as two pytest-xdist workers: one shared record (TMPDIR), no port twice
+    code = "from spmd_rl.distributed.testing import free_port; print(*[free_port() for _ in range(40)])"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=cpu_env(TMPDIR=str(tmp_path)), cwd=REPO,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    ports = [int(p) for proc in procs for p in proc.communicate(timeout=120)[0].split()]
+    assert len(ports) == 80 and len(set(ports)) == 80, sorted(ports)
+    span = testing._below_ephemeral_range()
+    if span is not None:  # Linux: where no outgoing connection takes a source port
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+        assert all(1024 <= p < low for p in ports), (low, sorted(ports))
+
+
+def test_a_port_in_use_or_handed_out_is_skipped(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(testing, "PORTS_FILE", str(tmp_path / "ports"))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        if not testing._bindable(busy + 1):  # taken by some other socket of this machine: not this test's case
+            pytest.skip(f"port {busy + 1} is in use")
+        monkeypatch.setattr(testing, "_below_ephemeral_range", lambda: (busy, busy + 2))
+        port = free_port()
+        assert port == busy + 1  # the only one nothing listens on
+        with pytest.raises(RuntimeError, match=f"no free TCP port in {busy}..{busy + 1} .1 handed out"):
+            free_port()  # busy + 1 is reserved for the test that got it

@@ -166,12 +166,13 @@ class DistEnv:
         os.environ.setdefault("MASTER_PORT", str(self.master_port))
         timeout = timedelta(seconds=timeout_s)
         store = _restart_safe_store(self, timeout)
-        init_method = None
-        if store is None:
-            init_method = "env://" if self.launcher != "single" else f"tcp://127.0.0.1:{_free_port()}"
+        if store is None and self.launcher == "single":
+            # a world of one: its own store on a port the kernel picks as it listens (never one another
+            # process could take between a pick and the listen)
+            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
         dist.init_process_group(
             backend=backend,
-            init_method=init_method,
+            init_method="env://" if store is None else None,
             store=store,
             rank=self.rank,
             world_size=self.world_size,
@@ -232,12 +233,6 @@ def _restart_safe_store(env: "DistEnv", timeout: timedelta) -> dist.Store | None
     base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
                          timeout=timeout)
     return dist.PrefixStore(f"spmd_rl/attempt_{attempt}", base)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def gather_rank_table(env: DistEnv, pool_names_by_rank: Mapping[int, Mapping[str, int]]) -> list[dict[str, object]]:

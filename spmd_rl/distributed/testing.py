@@ -31,10 +31,12 @@ starts itself (``torchrun``, scripts) take ``env=cpu_env(...)``.
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import os
 import pickle
 import queue as queue_lib
+import random
 import socket
 import subprocess
 import sys
@@ -66,10 +68,69 @@ def cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
+PORTS_FILE = os.path.join(tempfile.gettempdir(), "spmd_rl-test-ports")
+"""The ports :func:`free_port` handed out lately, one ``port time`` line each, shared by every test
+process of this machine (pytest-xdist workers, concurrent suites)."""
+PORT_HOLD_S = 1800.0
+"""How long a handed-out port stays reserved: longer than any one test keeps its rendezvous."""
+
+
 def free_port() -> int:
+    """A TCP port for a test's rendezvous (``MASTER_PORT``, ``--rdzv-endpoint``) that no socket holds
+    and that nothing else will take between this call and the test's first listen.
+
+    A port the kernel picks (``bind(port 0)``) is an ephemeral one: any outgoing connection on the
+    machine (gloo's full mesh of every other test) may take it as its source port in the seconds before
+    the test's rank 0 listens, and the rendezvous then fails with EADDRINUSE. This one is taken below
+    the kernel's ephemeral range (``ip_local_port_range``), where no outgoing connection goes, and
+    recorded in :data:`PORTS_FILE` under a lock, so two test processes never get the same one. Off
+    Linux (no such range to read) it falls back to the kernel's pick."""
+    span = _below_ephemeral_range()
+    if span is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    with open(PORTS_FILE, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        now, recent = time.time(), {}
+        for line in f.read().splitlines():
+            fields = line.split()
+            if len(fields) == 2 and fields[0].isdigit() and now - float(fields[1]) < PORT_HOLD_S:
+                recent[int(fields[0])] = fields[1]
+        candidates = [p for p in range(*span) if p not in recent]
+        random.shuffle(candidates)
+        port = next((p for p in candidates if _bindable(p)), None)
+        if port is None:
+            raise RuntimeError(f"no free TCP port in {span[0]}..{span[1] - 1} ({len(recent)} handed out "
+                               f"in the last {PORT_HOLD_S:.0f} s, listed in {PORTS_FILE})")
+        recent[port] = f"{now:.0f}"
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{p} {t}\n" for p, t in recent.items()))
+    return port
+
+
+def _below_ephemeral_range(width: int = 8192) -> tuple[int, int] | None:
+    """``[start, stop)``: the ``width`` ports just below the kernel's ephemeral range, None where that
+    range cannot be read or leaves no room above the privileged ports."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    start = max(1024, low - width)
+    return (start, low) if low - start >= 256 else None
+
+
+def _bindable(port: int) -> bool:
+    """Whether a listening socket could bind ``port`` on every address now (as the TCP store does)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor", "megatron.core", "tyro",
