@@ -22,11 +22,12 @@ import multiprocessing
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from spmd_rl.distributed.testing import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,12 +48,6 @@ def _busy(stop_at: float, parent: int) -> None:
             x = (x * 1103515245 + 12345) & 0xFFFFFFFF
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def classify(rc: int, text: str) -> str:
     if "terminate called" in text or re.search(r"Signal 6 \(SIGABRT\)|exitcode\s*:\s*-6\b", text):
         return "abort"
@@ -64,7 +59,7 @@ def classify(rc: int, text: str) -> str:
 def one_run(tree: str, out_dir: str, timeout_s: float) -> tuple[str, int, float, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.path.join(tree, "tests")]), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), "-m", "spmd_rl.train", *FLAGS, "--trainer.output-dir", out_dir]
+           str(free_port()), "-m", "spmd_rl.train", *FLAGS, "--trainer.output-dir", out_dir]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
