@@ -146,3 +146,38 @@ def test_new_weights_and_forget_drop_what_is_parked(root: Path) -> None:
     assert sorted(e._fast.parked) == [1]
     e.forget_prefixes()
     assert not e._fast.parked
+
+
+READ_BACKS = {"aten::nonzero", "aten::_local_scalar_dense", "aten::item", "aten::masked_select", "aten::is_nonzero"}
+"""Ops that make the host wait for the device (on CUDA: a sync), as the profiler names them."""
+
+
+def test_prefills_and_extensions_never_read_the_device_back(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn's prefill and extension are launched layer after layer without waiting for the device:
+    their indices come from the host, where the lengths are known (a boolean-mask index per layer made
+    the host wait twice per layer between turns, while the decode step waited for it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    folder = build(root, "qwen3-gqa-qknorm")
+    prompts = random_prompts([5, 11, 3, 8], seed=4)
+    e = engine(folder)
+    fast, seen = e._fast, {}
+
+    def watch(name: str) -> None:
+        fn = getattr(fast, name)
+
+        def watched(*args):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = fn(*args)
+            seen.setdefault(name, set()).update(evt.key for evt in prof.key_averages())
+            return out
+
+        monkeypatch.setattr(fast, name, watched)
+
+    watch("_prefill")
+    watch("_extend_group")
+    ref = play(engine(folder), prompts, keep=False)
+    same_episodes(play(e, prompts, keep=True), ref)
+    for name in ("_prefill", "_extend_group"):
+        assert "aten::embedding" in seen.get(name, ()), (name, seen)  # the profile saw it run
+        assert not seen[name] & READ_BACKS, (name, sorted(seen[name] & READ_BACKS))

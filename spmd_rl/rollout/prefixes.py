@@ -203,33 +203,42 @@ class PrefixCache(SlotCache):
         return top
 
     def _extend_group(self, group: list[Resumed], limits: list[int]) -> int:
-        dev, b, width = self.device, len(group), max(len(r.suffix) for r in group)
+        """One group's extension. Its indices are built on the host, where the lengths are known, and
+        copied over at once: nothing in it reads the device back (no boolean-mask indexing, no
+        ``.item()``), so the host queues every layer while the device runs the first ones."""
+        dev, b = self.device, len(group)
+        lens = [len(r.suffix) for r in group]
+        pads = [r.parked.pad for r in group]
+        firsts = [r.parked.pad + len(r.parked.ids) for r in group]  # each row's first new slot
+        width, span = max(lens), max(f + n for f, n in zip(firsts, lens))
         ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
         for i, r in enumerate(group):
-            ids[i, :len(r.suffix)] = torch.tensor(r.suffix, dtype=torch.long)
+            ids[i, :lens[i]] = torch.tensor(r.suffix, dtype=torch.long)
+        # the real tokens, flattened: their (row in the group, position in the suffix) and (cache row, slot)
+        at_b = [i for i, n in enumerate(lens) for _ in range(n)]
+        at_j = [j for n in lens for j in range(n)]
+        at_slot = [f + j for f, n in zip(firsts, lens) for j in range(n)]
+        host = torch.tensor([lens, pads, firsts, [r.parked.slot for r in group], [limits[r.handle] for r in group],
+                             [r.handle for r in group]], dtype=torch.long)
+        n, pad, first, dest, limit, handle = host.to(dev).unbind(0)
+        at_b, at_j, at_slot = torch.tensor([at_b, at_j, at_slot], dtype=torch.long).to(dev).unbind(0)
         ids = ids.to(dev)
-        n = torch.tensor([len(r.suffix) for r in group], device=dev)
-        first = torch.tensor([r.parked.pad + len(r.parked.ids) for r in group], device=dev)
-        pad = torch.tensor([r.parked.pad for r in group], device=dev)
-        dest = torch.tensor([r.parked.slot for r in group], device=dev)
+        write = (dest[at_b], at_slot)  # the real tokens' (cache row, slot)
         j = self._slots[:width]
         at = first[:, None] + j[None]  # each query's slot [b, width]
-        valid = j[None] < n[:, None]
-        span = int((first + n).max())
         keys = self._slots[:span]
         allowed = (keys[None, None] >= pad[:, None, None]) & (keys[None, None] <= at[:, :, None])  # [b, width, span]
         x = self.inner.embed_tokens(ids)
         bias = torch.zeros(allowed.shape, dtype=x.dtype, device=dev).masked_fill_(~allowed, float("-inf"))[:, None]
         pos = (at - pad[:, None]).clamp(max=self._slots.numel() - 1)
         tables = [(self._cos[t][pos][:, :, None], self._sin[t][pos][:, :, None]) for t in range(len(self.rope_keys))]
-        write = (dest[:, None].expand(b, width)[valid], at[valid])  # the real tokens' (cache row, slot)
         for i in range(len(self.layers)):
             cos, sin = tables[self.rope_of[i]]
             qk, v = self._in(i, x, cos, sin, self.attn_in)  # [b, width, H + Hkv, D], [b, width, Hkv, D]
             q, k = qk[:, :, :self.heads], qk[:, :, self.heads:]
             kv = self._kv(i)
-            kv[0][write] = k[valid]
-            kv[1][write] = v[valid]
+            kv[0][write] = k[at_b, at_j]
+            kv[1][write] = v[at_b, at_j]
             k, v = kv[0][dest, :span].transpose(1, 2), kv[1][dest, :span].transpose(1, 2)  # [b, Hkv, span, D]
             if self.group > 1:
                 k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
@@ -239,10 +248,10 @@ class PrefixCache(SlotCache):
         self._scaled[dest] = scaled
         self._lse[dest] = torch.logsumexp(scaled, dim=-1)
         self._pad[dest], self._wpos[dest], self._pos[dest], self._ncol[dest] = pad, first + n, first + n - pad, 0
-        self._limit[dest] = torch.tensor([limits[r.handle] for r in group], dtype=torch.long, device=dev)
-        self._row_of[dest] = torch.tensor([r.handle for r in group], dtype=torch.long, device=dev)
+        self._limit[dest] = limit
+        self._row_of[dest] = handle
         self._finished[dest] = False
-        return int((first + n).max())
+        return span
 
 
 __all__ = ["Parked", "PrefixCache", "Resumed"]

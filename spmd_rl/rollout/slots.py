@@ -340,15 +340,17 @@ class SlotStream:
         """One host sync: which of the ``cur`` slots finished, whose rows they hold, the highest write
         slot. The rows that ended since the last check are harvested and their slots point at ``spare``."""
         fast = self.fast
-        state = torch.cat([fast._finished[:cur].long(), fast._row_of[:cur], fast._wpos[:cur].max()[None]]).tolist()
-        finished, row_of, top = state[:cur], state[cur:2 * cur], state[-1]
+        parts = [fast._finished[:cur].long(), fast._row_of[:cur], fast._wpos[:cur].max()[None]]
+        if self.keep:  # where a finished row's K/V lies, to park it: in the same read
+            parts += [fast._pad[:cur], fast._wpos[:cur]]
+        state = torch.cat(parts).tolist()
+        finished, row_of, top = state[:cur], state[cur:2 * cur], state[2 * cur]
         ended = [s for s in range(cur) if finished[s] and row_of[s] != spare]
         if ended:
             where = None
             if self.keep:
-                at = torch.tensor(ended, device=fast.device)
-                pads, ends = torch.stack([fast._pad[at], fast._wpos[at]]).tolist()
-                where = list(zip(ended, pads, ends))
+                pads, ends = state[2 * cur + 1:3 * cur + 1], state[3 * cur + 1:]
+                where = [(s, pads[s], ends[s]) for s in ended]
             self.harvest([row_of[s] for s in ended], where)
             fast._row_of[torch.tensor(ended, device=fast.device)] = spare
         return finished, row_of, top
