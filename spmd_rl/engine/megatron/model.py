@@ -230,6 +230,8 @@ def build_chunks(spec: ModelSpec, layout: MegatronLayout, config, *, context_par
             # megatron-core 0.16 imports it only with TransformerEngine yet tests it for None in the
             # router's linear: without TE every MoE forward raises NameError. None = its torch path.
             moe_utils.te_general_gemm = None
+    # moe_grouped_gemm stays off: without TransformerEngine megatron's grouped experts are the legacy
+    # GroupedMLP, which needs the grouped_gemm CUDA extension (source only); docs/PERF.md, Actor update
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts or None, moe_grouped_gemm=False,
                                           normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     layer_spec.submodules.input_layernorm = RMSNorm
