@@ -34,6 +34,8 @@ class TurnFraming:
             raise ValueError("multi-turn episodes need the tokenizer's end-of-turn token: it has no eos token")
         self.tokenizer, self.eos_ids, self.tools = tokenizer, list(eos_ids), tools
         self.templated = has_chat_template(tokenizer)
+        # the fixed short conversation rendered once: every turn's framing is read against it
+        self._base = self._render(_BASE, generation=False) if self.templated else ""
         self.end_of_turn = self._end_of_turn()
         self.glue = self._glue()
 
@@ -45,8 +47,7 @@ class TurnFraming:
         """The token that ends the model's turn: the eos token the template writes after a reply."""
         if not self.templated:
             return self.eos_ids[0]
-        rendered = self._render(_BASE, generation=False)
-        after = rendered[rendered.index(_SENTINEL) + len(_SENTINEL):]
+        after = self._base[self._base.index(_SENTINEL) + len(_SENTINEL):]
         for token in self.eos_ids:
             if after.startswith(self.tokenizer.decode([token])):
                 return token
@@ -56,8 +57,7 @@ class TurnFraming:
         """The template's text after an assistant turn's end token (ChatML: a newline)."""
         if not self.templated:
             return ""
-        rendered = self._render(_BASE, generation=False)
-        after = rendered[rendered.index(_SENTINEL) + len(_SENTINEL):]
+        after = self._base[self._base.index(_SENTINEL) + len(_SENTINEL):]
         end = self.tokenizer.decode([self.end_of_turn])
         return after[len(end):] if after.startswith(end) else after
 
@@ -76,7 +76,7 @@ class TurnFraming:
         closed = [] if model_tokens and model_tokens[-1] in self.eos_ids else [self.end_of_turn]
         if not self.templated:
             return closed + self.encode("\n\n" + "\n\n".join(str(m.get("content") or "") for m in messages) + "\n\n")
-        before = self._render(_BASE, generation=False)
+        before = self._base
         whole = self._render(_BASE + list(messages), generation=True)
         if not whole.startswith(before):
             name = getattr(self.tokenizer, "name_or_path", type(self.tokenizer).__name__)
