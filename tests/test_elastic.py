@@ -28,10 +28,13 @@ STEPS = 10
 
 
 def _agent(out: str, port: int, log: str, *, launcher: str = "torch.distributed.run", steps: int = STEPS,
-           ) -> subprocess.Popen:
+           last_call_s: int = 3, host: bool | None = None) -> subprocess.Popen:
+    """An agent of the run in ``out``. ``last_call_s``: how long a rendezvous that has its minimum (one
+    agent) waits for more; ``host``: whether it hosts the rendezvous store (None: whoever binds first)."""
+    conf = f"last_call_timeout={last_call_s}" + ("" if host is None else f",is_host={int(host)}")
     cmd = [sys.executable, "-m", launcher, "--nnodes", "1:2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
-           "--rdzv-conf", "last_call_timeout=3", "--max-restarts", "2", "--monitor-interval", "1",
+           "--rdzv-conf", conf, "--max-restarts", "2", "--monitor-interval", "1",
            "-m", "spmd_rl.train", *TINY,
            "--trainer.output-dir", out, "--pools.rollout-ranks", "0.5", "--trainer.total-steps", str(steps),
            "--checkpoint.every", "1", "--trainer.stall-timeout-s", "30", "--trainer.dist-timeout-s", "90"]
@@ -40,21 +43,36 @@ def _agent(out: str, port: int, log: str, *, launcher: str = "torch.distributed.
                             cwd=REPO)
 
 
-def _saved(out: str) -> int:
-    steps = [p.rsplit("_", 1)[1] for p in glob.glob(os.path.join(out, "checkpoints", "step_*"))]
-    return max([int(s) for s in steps if s.isdigit()] or [0])
+def _saved(out: str, world_size: int | None = None) -> int:
+    """The latest step saved in ``out`` (by a world of ``world_size`` processes, when given); 0 if none."""
+    steps = []
+    for folder in glob.glob(os.path.join(out, "checkpoints", "step_*")):
+        step = folder.rsplit("_", 1)[1]
+        if not step.isdigit():
+            continue
+        if world_size is not None:
+            try:
+                with open(os.path.join(folder, "meta.json")) as f:
+                    if json.load(f)["world_size"] != world_size:
+                        continue
+            except (OSError, ValueError, KeyError):  # being written
+                continue
+        steps.append(int(step))
+    return max(steps or [0])
 
 
 def test_a_lost_agent_replans_the_pools_and_the_run_finishes(tmp_path):
     out, port = str(tmp_path / "run"), free_port()
-    first = _agent(out, port, str(tmp_path / "first.log"))  # hosts the rendezvous store: started first
-    time.sleep(2)
-    second = _agent(out, port, str(tmp_path / "second.log"))
+    # the first agent hosts the rendezvous store, which must outlive the second. Started together, they
+    # meet in the first round (it waits 20 s for the second agent); one that comes later joins at a
+    # restart, so the kill waits for a checkpoint of the world of 4 either way
+    first = _agent(out, port, str(tmp_path / "first.log"), last_call_s=20, host=True)
+    second = _agent(out, port, str(tmp_path / "second.log"), last_call_s=20, host=False)
     try:
         deadline = time.monotonic() + 300
-        while _saved(out) < 2 and time.monotonic() < deadline and first.poll() is None:
+        while _saved(out, world_size=4) < 2 and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.2)
-        assert _saved(out) >= 2, (tmp_path / "first.log").read_text()[-3000:]
+        assert _saved(out, world_size=4) >= 2, (tmp_path / "first.log").read_text()[-3000:]
         os.killpg(second.pid, signal.SIGKILL)  # the node is lost, with its agent and workers
         code = first.wait(timeout=600)
     finally:

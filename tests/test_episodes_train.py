@@ -193,7 +193,10 @@ def test_the_runner_says_which_environment_call_it_waits_for(caplog) -> None:
         assert runner.waiting() == ""
         play.start()
         deadline = time.monotonic() + 60
-        while not runner.waiting() and time.monotonic() < deadline:
+        # both episodes at their hanging step (a poll could land while one still resets, or between them)
+        while "HangsOnStep.step" not in runner.waiting() or "2 environment calls" not in runner.waiting():
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.05)
         said = recorder.fn()
         assert said.startswith("waits for HangsOnStep.step on the row {'answer': '7'} (running "), said

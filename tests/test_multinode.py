@@ -24,7 +24,7 @@ from spmd_rl.distributed.testing import cpu_env, free_port
 from support.launchers import STEPS, communicate_or_kill, metric_steps, rank_table, short_run
 
 LAUNCH = os.path.join(REPO, "launch")
-TIMEOUT_S = 240
+TIMEOUT_S = 600  # two torchruns on 2 cores, maybe shared with another suite: as test_slurm allows
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -234,7 +234,7 @@ TINY = [
     "--model.path", "tiny-random", "--data.task", "arithmetic", "--data.train-batch-size", "4",
     "--data.val-size", "1", "--rollout.n", "4", "--rollout.max-new-tokens", "6", "--actor.ppo-mini-batch-size", "4",
     "--actor.micro-batch-size", "16", "--algo.kl-coef", "0.0", "--logging.wandb", "off", "--logging.no-console",
-    "--checkpoint.no-save-final", "--trainer.dist-timeout-s", "60", "--trainer.stall-timeout-s", "30", "--pools.reward-ranks", "1",
+    "--checkpoint.no-save-final", "--trainer.dist-timeout-s", "300", "--trainer.stall-timeout-s", "30", "--pools.reward-ranks", "1",
 ]
 
 
@@ -283,7 +283,7 @@ def test_reward_pool_failure_stops_every_rank(tmp_path: Path) -> None:
     LlamaForSequenceClassification(config).save_pretrained(folder)
     build_char_tokenizer().save_pretrained(folder)
     proc = torchrun(str(tmp_path / "err"), "--trainer.total-steps", "3", "--trainer.val-every", "0",
-                           "--reward.model.path", str(folder), timeout=120)
+                           "--reward.model.path", str(folder), timeout=600)
     assert proc.returncode != 0
     err = proc.stderr
     assert "RewardError: the reward model failed on the reward pool" in err, err[-6000:]

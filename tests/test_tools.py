@@ -13,7 +13,7 @@ import pytest
 from spmd_rl.episodes.tool_prompt import supports_tools, tools_prompt, with_tools_prompt
 from spmd_rl.episodes.tools import (
     CALL_FORMAT, Tool, ToolCall, ToolCallError, ToolRunner, build_tools, calculate, check_arguments, parse_tool_calls,
-    run_call, tool_from_function, tool_messages,
+    python_tool, run_call, tool_from_function, tool_messages,
 )
 
 
@@ -58,7 +58,9 @@ def test_malformed_calls_become_errors_that_show_the_format(reply: str, says: st
 
 # --------------------------------------------------------------------------- running
 
-TOOLS = build_tools(["calculator", "python"])
+TOOLS = dict(build_tools(["calculator", "python"]), python=python_tool(timeout_s=120))
+"""The built-ins; the sandbox's time limit raised, so that a busy machine's slow interpreter start is
+not a killed call (test_sandbox.py tests the limits)."""
 
 
 def test_calculator_is_exact_arithmetic_without_names_or_calls() -> None:
