@@ -16,6 +16,7 @@ log-normal response lengths, random advantages, old / reference log-probs near `
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -91,12 +92,16 @@ def model_folder(shape: str, *, root: str) -> str:
     if shape not in SHAPES:
         raise ValueError(f"--shapes: unknown shape {shape!r}; known: {sorted(SHAPES)}")
     folder = Path(root) / shape
-    marker = folder / "COMPLETE"
-    if rank == 0 and not marker.exists():
+    marker = folder / "COMPLETE"  # holds the shape it was built from: a folder of an older shape is rebuilt
+    built_from = json.dumps({**SHAPES[shape], **COMMON}, sort_keys=True, default=str)
+    if rank == 0 and not (marker.exists() and marker.read_text() == built_from):
+        import shutil
+
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from spmd_rl.models import build_char_tokenizer
 
+        shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True, exist_ok=True)
         fields = dict(SHAPES[shape])
         config = AutoConfig.for_model(fields.pop("model_type", "qwen2"), **fields, **COMMON)
@@ -109,7 +114,7 @@ def model_folder(shape: str, *, root: str) -> str:
         del model
         if device == "cuda":  # the caller may start the runs on this GPU: hand the cached blocks back
             torch.cuda.empty_cache()
-        marker.touch()
+        marker.write_text(built_from)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     return str(folder)
