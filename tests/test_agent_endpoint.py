@@ -26,10 +26,14 @@ ERRORS: list[tuple[int, str]] = []
 """What bad_requests got back for its malformed requests."""
 
 
+DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Requests straight to the loopback endpoint, whatever ``HTTP_PROXY`` says."""
+
+
 def _post(url: str, body: bytes) -> tuple[int, dict]:
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=60) as r:
+        with DIRECT.open(request, timeout=60) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -118,7 +122,13 @@ def _turn_of(out: dict) -> torch.Tensor:
     return torch.cumsum(torch.nn.functional.pad(context[:, :-1] * (1 - context[:, 1:]), (1, 0)), dim=1)
 
 
-def test_the_openai_client_drives_a_two_turn_agent_and_its_tokens_are_trained_on() -> None:
+def test_the_openai_client_drives_a_two_turn_agent_and_its_tokens_are_trained_on(monkeypatch) -> None:
+    # a cluster's proxy settings (here a port where nothing listens) do not reach the agents' clients:
+    # they talk to this process's loopback endpoint directly
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
     got = run_distributed(_run, 1)[0]
     out = got["out"]
     assert out["env_turns"].tolist() == [2, 2, 2, 2] and out["env_reward"].tolist() == [0.5] * 4

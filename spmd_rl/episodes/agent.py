@@ -144,17 +144,20 @@ class AgentRunner:
         server = ThreadingHTTPServer((self.host, 0), _handler(self))
         threading.Thread(target=server.serve_forever, name="spmd_rl-agent-endpoint", daemon=True).start()
         base = f"http://{self.host}:{server.server_address[1]}"
+        clients = []
         try:
             with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="spmd_rl-agent") as pool:
                 futures = {}
                 for e in episodes:
                     key = uuid.uuid4().hex[:12]
                     self.sessions[key] = Session(episode=e, key=key)
-                    client = OpenAI(base_url=f"{base}/e/{key}/v1", api_key="spmd_rl", max_retries=0,
-                                    timeout=self.timeout_s)
-                    futures[pool.submit(self._drive, e, client)] = key
+                    clients.append(OpenAI(base_url=f"{base}/e/{key}/v1", api_key="spmd_rl", max_retries=0,
+                                          timeout=self.timeout_s, http_client=_direct_http_client()))
+                    futures[pool.submit(self._drive, e, clients[-1])] = key
                 self._serve(engine, futures, sampling)
         finally:
+            for client in clients:
+                client.close()
             server.shutdown()
             server.server_close()
         out = episode_rows(episodes)
@@ -425,5 +428,14 @@ def _handler(runner: AgentRunner) -> type[BaseHTTPRequestHandler]:
 
     return Handler
 
+
+def _direct_http_client() -> Any:
+    """The HTTP client of an episode's ``openai`` client: one that ignores ``HTTP(S)_PROXY`` (a proxy
+    of the cluster cannot reach this process's loopback endpoint, and would answer in its place), with
+    the ``openai`` package's defaults otherwise (``DefaultHttpx2Client`` in newer releases)."""
+    import openai
+
+    cls = getattr(openai, "DefaultHttpx2Client", None) or openai.DefaultHttpxClient
+    return cls(trust_env=False)
 
 __all__ = ["AgentRunner", "BadRequest", "MODEL_NAME", "load_agent", "tools_prompt_from_schemas"]
