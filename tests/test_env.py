@@ -32,7 +32,10 @@ def test_srun_env():
     env = DistEnv.from_environ(SRUN_TASK6)
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank) == (6, 2, 8, 4, 1)
     assert env.master_addr == "gpu-07"  # first host of the step's node list
-    assert env.master_port == 20000 + 4242 % 20000
+    assert env.master_port == 20000 + 4242 % 12000
+    # every job's port lies below Linux's ephemeral ports (32768 on), which outgoing connections hold
+    assert DistEnv.from_environ({**SRUN_TASK6, "SLURM_JOB_ID": "15000"}).master_port == 23000
+    assert max(DistEnv.from_environ({**SRUN_TASK6, "SLURM_JOB_ID": str(j)}).master_port for j in range(0, 40000, 7)) < 32768
     assert env.launcher == "slurm"
 
 

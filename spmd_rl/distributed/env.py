@@ -113,9 +113,11 @@ class DistEnv:
             nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
             hosts = expand_slurm_nodelist(nodelist) if nodelist else []
             master = env.get("MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1")
-            # A port derived from the job id lets two jobs on one node coexist without configuration.
+            # A port derived from the job id lets two jobs on one node coexist without configuration;
+            # 20000..31999 lies below Linux's ephemeral range (32768 on), where any outgoing connection
+            # of the node could hold it as its source port when rank 0 listens
             job_id = env.get("SLURM_JOB_ID", "0")
-            port = int(env.get("MASTER_PORT", 20000 + int(job_id) % 20000 if job_id.isdigit() else DEFAULT_PORT))
+            port = int(env.get("MASTER_PORT", 20000 + int(job_id) % 12000 if job_id.isdigit() else DEFAULT_PORT))
             return cls(
                 rank=int(env["SLURM_PROCID"]),
                 local_rank=int(env.get("SLURM_LOCALID", "0")),
