@@ -359,7 +359,7 @@ class Bench:
         never runs dry, on ``batch`` slots; tok/s over ``--stream-steps`` decode steps once
         ``--stream-warmup`` steps have passed, when the rows in flight have the stream's steady mix of
         lengths instead of all starting together."""
-        args, fd, device = self.args, self.fd, self.device
+        args, fd = self.args, self.fd
         draw = torch.Generator().manual_seed(0)  # the long-tail mix's lengths, continued as long as the feed runs
         made = {"fed": 0, "finished": 0}
 
@@ -375,8 +375,6 @@ class Bench:
 
         def run(stop_at: int, marks: dict[int, tuple[float, int] | None] | None = None):
             """A stream interrupted after ``stop_at`` steps; ``marks`` gets (time, tokens made) at the steps it names."""
-            gen = torch.Generator(device=device).manual_seed(0)
-
             def interrupt(steps: int) -> bool:
                 if marks is not None and steps in marks:
                     live = fd._row_of != fd._out_tok.shape[0] - 1  # slots holding a row (one host sync)
@@ -385,7 +383,7 @@ class Bench:
                 return steps >= stop_at
 
             return stream_decode(fd, feed=feed, finish=finish, max_new_tokens=args.longtail_max,
-                                 slots=args.prompt_len + args.longtail_max, generator=gen, eos=self.eos,
+                                 slots=args.prompt_len + args.longtail_max, seed=0, eos=self.eos,
                                  interrupt=interrupt, **self.sample)
 
         slots, note, capture = self.size_and_capture(batch, lambda: run(1))  # sized by a one-step stream

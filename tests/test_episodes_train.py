@@ -64,6 +64,39 @@ def test_three_turn_episodes_are_token_exact_and_the_actor_agrees() -> None:
         assert gap < 1e-5, f"packed={packed}: the actor's log-probs differ from the rollout's by {gap}"
 
 
+def _episodes_twice(rank: int, world_size: int) -> list[dict]:
+    import sys
+
+    from conftest import HERE
+
+    sys.path.insert(0, HERE)
+    from support.episodes import tiny_rollout
+
+    from spmd_rl.episodes.env import load_env
+    from spmd_rl.episodes.framing import TurnFraming
+    from spmd_rl.episodes.runner import EpisodeRunner
+
+    outs = []
+    for slots, workers in ((4, 3), (2, 1)):  # other slots, other worker threads, other step times
+        _, tok, eos, _, engine = tiny_rollout(batch_size=slots)
+        runner = EpisodeRunner(load_env("support.envs:Unhurried", None), framing=TurnFraming(tok, eos_ids=eos),
+                               tokenizer=tok, max_turns=5, max_tokens=96, tools=None, workers=workers, skip_errors=False)
+        outs.append(runner.run(engine, [{"answer": "7"}, {"answer": "12"}, {"answer": "3"}], n=2,
+                               sampling=dict(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=8, seed=5)))
+    return outs
+
+
+def test_sampled_episodes_are_the_same_whatever_the_schedule() -> None:
+    """An environment that takes a random time per step, on 4 slots with 3 workers and on 2 slots with
+    one: the episodes come back in other orders and share other steps, and sample the same tokens (each
+    row draws from its own uniforms: spmd_rl/rollout/sampling.py), so a seeded run is the same run on a
+    busy machine."""
+    a, b = run_distributed(_episodes_twice, 1)[0]
+    assert torch.equal(a["response_ids"], b["response_ids"]) and torch.equal(a["response_mask"], b["response_mask"])
+    assert (a["logprobs"] - b["logprobs"]).abs().max() < 1e-5
+    assert len({tuple(r.tolist()) for r in a["response_ids"]}) == 6  # the n = 2 episodes of a row differ
+
+
 def test_the_environment_tokens_get_no_gradient() -> None:
     from spmd_rl.algo.objective import actor_objective
     from spmd_rl.config import AlgoConfig

@@ -144,7 +144,7 @@ def test_rollout_weights_and_kv_cache_by_hand() -> None:
     got = parts(flags)
     rows, slots = 32, 128  # 24 rows -> bucket 32; 70 -> 128
     cache = 2 * 2 * 16 * 2 * 2 * rows * slots
-    buffers = rows * 104 * 8 + (24 + 1) * slots * 16 + rows * 64
+    buffers = rows * 104 * 8 + (24 + 1) * slots * 20 + rows * 64  # output cells: token 8, log-prob, mask, uniform 4 each
     prefill = min(16384, rows * slots) * (4 * 64 + 2 * 256) * 2  # widest GEMM: gate + up = 2 x 128
     assert got["rollout KV cache"].bytes == cache + buffers + prefill == kv_cache_bytes(load_config(BASE + flags),
                                                                                             TINY, 24)

@@ -32,10 +32,12 @@ def env_tokens(key: int, turn: int) -> list[int]:
     return torch.randint(3, VOCAB, (2 + (key + turn) % 4,), generator=gen).tolist()
 
 
-def play(e, prompts: list[list[int]], *, keep: bool, max_new_tokens: int = 6, delay_s: float = 0.0) -> dict[int, list]:
-    """Every prompt as a ``TURNS``-turn episode on ``e``'s stream, greedy; ``{key: [(tokens, logprobs)
-    per turn]}``. ``delay_s``: episode ``key`` is fed again ``delay_s x (1 + key % 3)`` after its turn
-    (an environment that takes its time: the others decode, compact and refill meanwhile)."""
+def play(e, prompts: list[list[int]], *, keep: bool, max_new_tokens: int = 6, delay_s: float = 0.0,
+         temperature: float = 0.0, seed: int = 0) -> dict[int, list]:
+    """Every prompt as a ``TURNS``-turn episode on ``e``'s stream, greedy unless ``temperature``;
+    ``{key: [(tokens, logprobs) per turn]}``. ``delay_s``: episode ``key`` is fed again ``delay_s x (1 +
+    key % 3)`` after its turn (an environment that takes its time: the others decode, compact and
+    refill meanwhile)."""
     import threading
     import time
 
@@ -65,8 +67,8 @@ def play(e, prompts: list[list[int]], *, keep: bool, max_new_tokens: int = 6, de
         if not pending:
             time.sleep(0.002)
             continue
-        e.stream(feed=feed, done=done, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
-                 max_prompt_length=longest, seed=0, keep_prefixes=keep)
+        e.stream(feed=feed, done=done, temperature=temperature, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
+                 max_prompt_length=longest, seed=seed, keep_prefixes=keep)
     return turns
 
 
@@ -181,3 +183,19 @@ def test_prefills_and_extensions_never_read_the_device_back(root: Path, monkeypa
     for name in ("_prefill", "_extend_group"):
         assert "aten::embedding" in seen.get(name, ()), (name, seen)  # the profile saw it run
         assert not seen[name] & READ_BACKS, (name, sorted(seen[name] & READ_BACKS))
+
+
+def test_sampled_episodes_do_not_depend_on_the_schedule(root: Path) -> None:
+    """Sampling (T = 1): a row draws from its own uniforms (seeded by the stream's seed, its key and its
+    prompt's length), so the same episodes sample the same tokens on 8 slots or 2, fed again at once
+    or after delays (an environment's, or a busy machine's), with prefix reuse or whole prefills; another
+    seed samples others."""
+    folder = build(root, "qwen3-gqa-qknorm")
+    prompts = random_prompts([5, 11, 3, 8], seed=4)
+    args = dict(temperature=1.0, max_new_tokens=8)
+    ref = play(engine(folder, batch_size=8), prompts, keep=True, **args)
+    for slots, keep, delay_s in [(2, True, 0.05), (8, True, 0.1), (4, False, 0.0)]:
+        same_episodes(play(engine(folder, batch_size=slots), prompts, keep=keep, delay_s=delay_s, **args), ref)
+    other = play(engine(folder, batch_size=8), prompts, keep=True, seed=1, **args)
+    assert [t for k in ref for t, _ in ref[k]] != [t for k in other for t, _ in other[k]]
+    assert len({tuple(t) for k in ref for t, _ in ref[k]}) > 1  # the turns sampled different tokens

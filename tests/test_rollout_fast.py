@@ -355,3 +355,24 @@ def test_decode_group_compiles_a_cache_writer_once_for_every_bucket(duck_shapes:
         fn(cache, torch.arange(rows), torch.ones(rows, 3))
     assert counters["stats"]["unique_graphs"] == graphs
     assert cache[:2].eq(2).all()
+
+
+def test_each_rows_uniforms_are_its_own_and_uniform() -> None:
+    """The fast path's uniforms (spmd_rl/rollout/sampling.py): a row's depend on the seed, its key and its
+    prompt's length only, are uniform on [0, 1), and neither neighbouring rows nor a row's successive
+    tokens are correlated."""
+    from spmd_rl.rollout.sampling import row_seed, row_uniforms
+
+    seeds = [row_seed(7, key, 5) for key in range(4000)]
+    assert len(set(seeds)) == 4000 and all(0 <= s < 2 ** 63 for s in seeds)
+    assert len({row_seed(7, 3, 5), row_seed(7, 3, 6), row_seed(8, 3, 5), row_seed(7, (0, 3), 5), row_seed(7, "3", 5)}) == 5
+    u = row_uniforms(seeds, [8] * 4000)
+    assert u.shape == (4000, 8) and 0 <= float(u.min()) and float(u.max()) < 1
+    torch.testing.assert_close(torch.histc(u, bins=10, min=0, max=1) / u.numel(), torch.full((10,), 0.1), atol=0.005, rtol=0)
+    centred = u - 0.5
+    for a, b in ((centred[:, :-1], centred[:, 1:]), (centred[:-1], centred[1:])):  # successive tokens, rows
+        corr = float((a * b).mean() / (a.std() * b.std()))
+        assert abs(corr) < 0.02, corr
+    assert torch.equal(row_uniforms([seeds[9]], [8])[0], u[9])  # the same row, alone: the same uniforms
+    short = row_uniforms([1, 2], [3, 1])
+    assert short.shape == (2, 3) and short[1, 1:].eq(0).all() and short[1, 0] > 0

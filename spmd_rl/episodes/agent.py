@@ -243,7 +243,6 @@ class AgentRunner:
                 holding.discard(key)
                 forget(key)
 
-        calls = 0
         while True:
             arrivals()
             if not any(admitted(r) for r in waiting):
@@ -257,8 +256,7 @@ class AgentRunner:
             call["longest"], call["full"] = max([self._longest()] + [len(r.tokens) for r in waiting]), False
             engine.stream(feed=feed, done=done, max_prompt_length=call["longest"], temperature=sampling["temperature"],
                           top_p=sampling["top_p"], top_k=sampling["top_k"], max_new_tokens=sampling["max_new_tokens"],
-                          seed=sampling["seed"] + 7919 * calls, keep_prefixes=keep)
-            calls += 1
+                          seed=sampling["seed"], keep_prefixes=keep)
         forget()  # the round's parked K/V: its slots are free for the next round
         for f in agents:
             f.result()  # an agent that raised: its error, with the row

@@ -161,7 +161,6 @@ class EpisodeRunner:
             steps[pool.submit(self._turn, episodes[key], tokens.tolist(), logprobs.tolist())] = key
 
         longest = max(len(e.prompt) for e in episodes) + self.max_tokens
-        calls = 0
         while ready or steps or fresh:
             if not ready and not (fresh and (slots is None or under_way[0] < slots)):
                 # every episode under way waits for its environment (and no new one may start)
@@ -172,8 +171,7 @@ class EpisodeRunner:
                 continue
             engine.stream(feed=feed, done=done, max_prompt_length=longest, temperature=sampling["temperature"],
                           top_p=sampling["top_p"], top_k=sampling["top_k"], max_new_tokens=sampling["max_new_tokens"],
-                          seed=sampling["seed"] + 7919 * calls, keep_prefixes=self.reuse_prefixes)
-            calls += 1
+                          seed=sampling["seed"], keep_prefixes=self.reuse_prefixes)
 
     # ------------------------------------------------------------------ worker threads
     def _reset(self, e: Episode) -> list[int]:

@@ -123,7 +123,7 @@ def kv_cache_bytes(cfg: Config, s: ModelShape, rows_per_call: int, *, rows: int 
     buckets = [1 << i for i in range(bs.bit_length()) if (1 << i) < bs] + [bs]
     rows = rows or next(b for b in buckets if b >= min(rows_per_call, bs))
     slots = -(-lengths(cfg)[2] // 64) * 64
-    buffers = rows * int(s.vocab or 0) * 8 + (rows_per_call + 1) * slots * 16 + rows * 64
+    buffers = rows * int(s.vocab or 0) * 8 + (rows_per_call + 1) * slots * 20 + rows * 64  # tokens, log-probs, mask, uniforms
     width = max(q + 2 * kv, 2 * inter if s.moe_layers < s.layers else 0, h)  # the widest fused GEMM
     return 4 * kv * s.layers * rows * slots + buffers + min(PREFILL_TOKENS, rows * slots) * (4 * h + 2 * width) * 2
 

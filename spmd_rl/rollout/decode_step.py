@@ -2,19 +2,20 @@
 :mod:`spmd_rl.rollout.weights` is into the rollout engine): what one decode step computes, sampling
 included, and its CUDA graph per (batch bucket, span, sampling setting).
 
-    fast.decode_slots(cur, span, mode, generator)    # one step of the first ``cur`` slots
+    fast.decode_slots(cur, span, mode)               # one step of the first ``cur`` slots
     fast.capture_graphs(temperature=1.0, top_k=0, top_p=1.0)   # (fast.py) every bucket and span, ahead
 
 A step (:meth:`DecodeStep._step_body`) first SAMPLES from the logits the previous step left in a static
 buffer and records the token, its log-prob and the live mask at each live row's output column, then
 runs the decode FORWARD of that token (:meth:`DecodeStep._forward`) into the logits buffer the next
 step samples from; the module docstring of :mod:`spmd_rl.rollout.fast` describes both in full. Nothing
-in a step syncs with the host, so on CUDA the whole of it replays as one graph; the host draws the
-step's uniforms (``decode_slots``) and replays.
+in a step syncs with the host or draws a random number, so on CUDA the whole of it replays as one
+graph: a sampled row reads its uniform from its output cell, where its own uniforms were written when it
+was fed (:func:`~spmd_rl.rollout.sampling.row_uniforms`).
 
 It reads the decoder's buffers (``_tok``, ``_pos``, ``_wpos``, ``_ncol``, ``_finished``, ``_limit``,
-``_scaled``, ``_lse``, ``_u``, the output buffers, the caches) and calls its layer pieces (``_in``,
-``_out``, ``_head``, ``_kv``, ``_biases``).
+``_scaled``, ``_lse``, the output buffers and their uniforms ``_out_u``, the caches) and calls its
+layer pieces (``_in``, ``_out``, ``_head``, ``_kv``, ``_biases``).
 """
 
 from __future__ import annotations
@@ -117,12 +118,12 @@ class DecodeStep:
         """Sample rows ``0..rows-1`` from the logits buffer and write token, log-prob and live mask at each
         live row's output column; finished rows write nothing. A row finishes at an EOS id or at its
         ``_limit``-th token. The sampled tokens feed the next forward."""
-        tok, lp = self._pick(self._scaled[:rows], self._lse[:rows], None if greedy else self._u[:rows],
-                             top_k=top_k, top_p=top_p)
         finished, ncol = self._finished[:rows], self._ncol[:rows]
         live = ~finished
         # finished rows and spares write to the spare output row, whose contents are dropped
         where = (torch.where(live, self._row_of[:rows], self._out_tok.shape[0] - 1), ncol)
+        u = None if greedy else self._out_u[where]  # each row's own uniform for this token
+        tok, lp = self._pick(self._scaled[:rows], self._lse[:rows], u, top_k=top_k, top_p=top_p)
         if self.record_routes:  # where the forward of this token records its experts
             self._rec_row[:rows] = where[0]
             self._rec_col[:rows] = ncol
@@ -176,10 +177,8 @@ class DecodeStep:
         """A sampling setting as the step's graphs key it: one graph per mode, bucket and span."""
         return (True, 0, 1.0) if temperature == 0 else (False, top_k, top_p)
 
-    def decode_slots(self, cur: int, span: int, mode: tuple[bool, int, float], generator: torch.Generator) -> None:
-        """One decode step of the first ``cur`` slots: the step's uniforms (sampled modes), then its replay."""
-        if not mode[0]:
-            self._u[:cur].uniform_(generator=generator)
+    def decode_slots(self, cur: int, span: int, mode: tuple[bool, int, float]) -> None:
+        """One decode step of the first ``cur`` slots (its replay, on CUDA)."""
         self._step(cur, span, mode)
         self.steps += 1
 

@@ -53,10 +53,12 @@ How a call of ``b`` rows runs (any ``b``; ``max_batch``, i.e. ``rollout.batch_si
   longer than the window writes its last ``R`` slots to the ring;
 * on CUDA the whole step, sampling included, is one CUDA graph per (batch bucket, span, sampling
   setting): refills and compactions only rewrite the buffers the graphs read, so they recapture
-  nothing; the host draws the step's uniforms and replays. :meth:`FastDecoder.capture_graphs`
-  captures every bucket and span ahead of a call;
-* sampling is by inverse CDF: one uniform ``u`` per row (drawn from the caller's ``torch.Generator``,
-  outside the graph) picks the first token whose cumulative probability exceeds ``u``, in two levels
+  nothing; the host only replays. :meth:`FastDecoder.capture_graphs` captures every bucket and span
+  ahead of a call;
+* sampling is by inverse CDF: one uniform ``u`` per row and token, the row's own (written to its
+  output row when it is fed, from a generator seeded by the call's seed, the row's key (its index in a
+  ``generate_chunk`` call) and its prompt's length: :mod:`spmd_rl.rollout.sampling`), picks the
+  first token whose cumulative probability exceeds ``u``, in two levels
   (:func:`~spmd_rl.rollout.sampling.inverse_cdf`: block sums, then one block, instead of a scan over the
   vocabulary); top-k / top-p filter ``z = logits / T`` first. Greedy is argmax. The log-prob is
   ``z[tok] - logsumexp(z)``, i.e. ``log_softmax(logits / T)`` before filtering, float32;
@@ -86,6 +88,7 @@ from .layers import (
     unsupported_reason,
 )
 from .prefixes import PrefixCache
+from .sampling import row_seed
 
 # SDPA kernels the path may use: masked attention runs the memory-efficient kernel on CUDA (flash takes
 # no mask) and the fused CPU kernel on CPU; a known, graph-capturable choice on every torch version.
@@ -402,6 +405,9 @@ class FastDecoder(DecodeStep, PrefixCache):
         self._ensure_cache(cur, longest + max_new_tokens, b)
         spare = self._start_call(temperature=temperature, eos=eos)
         self._clear_outputs(torch.arange(b, device=self.device))
+        if temperature > 0:  # each row's uniforms: the call's seed (one draw of the generator), its index, its prompt
+            seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=generator.device))
+            self._seed_rows(list(range(b)), [row_seed(seed, i, len(r)) for i, r in enumerate(rows)], limits)
 
         queue = list(range(b))[::-1]  # popped from the end: rows in the order given
         top = self._fill(list(range(min(cur, b))), queue, rows, limits)  # highest write slot so far
@@ -409,7 +415,7 @@ class FastDecoder(DecodeStep, PrefixCache):
         span = self.span(top + self.check_every + 1)
         step = 0
         while True:
-            self.decode_slots(cur, span, mode, generator)
+            self.decode_slots(cur, span, mode)
             step += 1
             if look is not None:
                 look(step)

@@ -1,5 +1,11 @@
 """On-device sampling of the rollout: top-k / top-p filtering (both loops), the exponential race (HF loop),
-the two-level inverse CDF (fast decoder: one uniform per row, no RNG inside its CUDA graphs).
+the two-level inverse CDF (fast decoder: one uniform per row, no RNG inside its CUDA graphs), and the
+fast decoder's uniforms: each row's own, drawn when it is fed (:func:`row_uniforms`).
+
+A row's uniforms come from its own generator, seeded by the call's seed, the row's key and its
+prompt's length (:func:`row_seed`), so what a row samples does not depend on which slot it took, which
+rows shared its steps, or when it came: a stream fed by threads (multi-turn episodes, agents) samples
+the same tokens on a busy machine as on an idle one, given the same seed.
 
 Log-probs are ``log_softmax(logits / T)`` at the chosen token (``T = 1`` when greedy), taken BEFORE
 top-k / top-p filtering, in float32 (see :mod:`spmd_rl.rollout.base`).
@@ -7,7 +13,9 @@ top-k / top-p filtering, in float32 (see :mod:`spmd_rl.rollout.base`).
 
 from __future__ import annotations
 
+import hashlib
 import math
+from typing import Hashable
 
 import torch
 import torch.nn.functional as F
@@ -81,4 +89,21 @@ def inverse_cdf(logits: torch.Tensor, lse: torch.Tensor, u: torch.Tensor) -> tor
     return (at * block + tok).squeeze(-1)
 
 
-__all__ = ["filter_logits", "inverse_cdf", "sample_next"]
+def row_seed(seed: int, key: Hashable, length: int) -> int:
+    """The seed of one row's random stream: a hash of the call's ``seed``, the row's ``key`` (its
+    ``repr``: ints, strings and tuples of them hash the same in every process) and its prompt's
+    ``length`` (a multi-turn episode's key comes back with a longer prompt on each turn)."""
+    digest = hashlib.blake2b(f"{int(seed)}|{key!r}|{int(length)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # torch seeds take 63 bits
+
+
+def row_uniforms(seeds: list[int], counts: list[int]) -> torch.Tensor:
+    """``[len(seeds), max(counts)]`` float32 uniforms in [0, 1) on the host: row ``i``'s first
+    ``counts[i]`` from a generator seeded with ``seeds[i]`` (zeros after them)."""
+    out = torch.zeros(len(seeds), max(counts, default=0), dtype=torch.float32)
+    for i, (seed, count) in enumerate(zip(seeds, counts)):
+        out[i, :count] = torch.rand(count, generator=torch.Generator().manual_seed(seed))
+    return out
+
+
+__all__ = ["filter_logits", "inverse_cdf", "row_seed", "row_uniforms", "sample_next"]

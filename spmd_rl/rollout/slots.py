@@ -28,6 +28,8 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from .sampling import row_seed, row_uniforms
+
 
 def free_bytes(device: torch.device) -> int | None:
     """Memory a new allocation on ``device`` can take: what torch's allocator holds unused plus what it
@@ -56,7 +58,7 @@ class SlotCache:
     ``_prefill`` and ``bucket``."""
 
     _STEP_BUFFERS = ("_tok", "_pos", "_pad", "_wpos", "_ncol", "_limit", "_ar", "_row_of", "_finished", "_temp",
-                     "_u", "_scaled", "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin",
+                     "_out_u", "_scaled", "_lse", "_out_tok", "_out_lp", "_out_mask", "_slots", "_cos", "_sin",
                      "_out_route", "_route_step", "_rec_row", "_rec_col")
 
     def release(self) -> None:
@@ -93,7 +95,7 @@ class SlotCache:
         windowed = sum(w is not None for w in self.windows)
         per_slot = 2 * self.kv_heads * self.head_dim * item  # K and V of one position, one layer
         kv = per_slot * rows * ((len(self.layers) - windowed) * slots + windowed * min(self.window or 0, slots))
-        buffers = rows * self.vocab * 4 * 2 + (out_rows + 1) * slots * (8 + 4 + 4) + rows * 64
+        buffers = rows * self.vocab * 4 * 2 + (out_rows + 1) * slots * (8 + 4 + 4 + 4) + rows * 64
         if self.record_routes:  # int16 experts per output cell and MoE layer (router replay)
             buffers += ((out_rows + 1) * slots + rows) * len(self.moe_layers) * self.top_k * 2 + rows * 16
         hidden = self.inner.embed_tokens.weight.shape[1]
@@ -145,12 +147,12 @@ class SlotCache:
         self._row_of = torch.zeros(rows, **long)    # output row of each cache row (the spare row for spares)
         self._finished = torch.ones(rows, dtype=torch.bool, device=dev)
         self._temp = torch.ones(1, dtype=torch.float32, device=dev)  # logits are divided by it
-        self._u = torch.zeros(rows, dtype=torch.float32, device=dev)  # this step's uniforms
         self._scaled = torch.zeros(rows, self.vocab, dtype=torch.float32, device=dev)  # logits / T
         self._lse = torch.zeros(rows, dtype=torch.float32, device=dev)
         self._out_tok = torch.zeros(out_rows + 1, slots, **long)  # + a spare row
         self._out_lp = torch.zeros(out_rows + 1, slots, dtype=torch.float32, device=dev)
         self._out_mask = torch.zeros_like(self._out_lp)
+        self._out_u = torch.zeros_like(self._out_lp)  # the uniform each output cell's token is sampled with
         if self.record_routes:  # router replay: each output cell's experts per MoE layer, and the step's
             routes = dict(dtype=torch.int16, device=dev)
             self._out_route = torch.full((out_rows + 1, slots, len(self.moe_layers), self.top_k), -1, **routes)
@@ -181,6 +183,13 @@ class SlotCache:
         self._lse.zero_()
         self._temp.fill_(temperature if temperature > 0 else 1.0)
         return spare
+
+    def _seed_rows(self, rows: list[int], seeds: list[int], counts: list[int]) -> None:
+        """Output rows ``rows`` get their uniforms: ``counts[i]`` (the row's most new tokens) from a
+        generator seeded with ``seeds[i]`` (:func:`~spmd_rl.rollout.sampling.row_uniforms`), one copy."""
+        if rows:
+            u = row_uniforms(seeds, counts)
+            self._out_u[torch.tensor(rows, device=self.device), :u.shape[1]] = u.to(self.device)
 
     def _clear_outputs(self, rows: torch.Tensor) -> None:
         """Empty the output rows ``rows`` (before rows start writing there)."""
@@ -258,8 +267,9 @@ class SlotStream:
 
     def __init__(self, fast: SlotCache, *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
                  finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None], max_new_tokens: int,
-                 slots: int, eos: torch.Tensor, keep_prefixes: bool = False) -> None:
+                 slots: int, eos: torch.Tensor, seed: int, keep_prefixes: bool = False) -> None:
         self.fast, self.feed, self.finish, self.max_new_tokens, self.eos = fast, feed, finish, max_new_tokens, eos
+        self.seed, self.sampled = seed, True  # each row's uniforms: row_seed(seed, its key, its prompt's length)
         # finished rows parked by key, and rows that extend them resumed (spmd_rl.rollout.prefixes)
         self.keep = keep_prefixes and getattr(fast, "can_park", False)
         self.cap = fast.buckets[-1]
@@ -273,6 +283,7 @@ class SlotStream:
 
     def start(self, *, temperature: float) -> int:
         """The stream's call starts: its spare slot (where finished slots point)."""
+        self.sampled = temperature > 0  # greedy rows need no uniforms
         return self.fast._start_call(temperature=temperature, eos=self.eos)
 
     def compact(self, cur: int, *, spare: int) -> int:
@@ -289,6 +300,9 @@ class SlotStream:
             self.keys[h], self.prompts[h], self.limits[h] = key, ids, limit
         if taken:
             self.fast._clear_outputs(torch.tensor(taken, device=self.fast.device))
+            if self.sampled:
+                self.fast._seed_rows(taken, [row_seed(self.seed, key, len(ids)) for key, ids, _ in new],
+                                     [limit for *_, limit in new])
             self.queue[:0] = taken[::-1]
 
     def fill(self, free_slots: list[int]) -> int:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, Hashable
 import torch
 
 from .lengths import LengthDist, draw_lengths
+from .sampling import row_seed
 from .slots import SlotStream
 
 if TYPE_CHECKING:
@@ -90,8 +91,7 @@ def run_stream(engine: StreamEngine, *, feed: Feed, done: Done, temperature: flo
                max_new_tokens: int, max_prompt_length: int, seed: int, swap: Callable[[], bool] | None = None,
                swap_every: int = 32, look: Callable[[], None] | None = None, keep_prefixes: bool = False) -> int:
     """The engine-level stream (see the module docstring); returns how many weight swaps happened."""
-    generator = torch.Generator(device=engine.device).manual_seed(seed)
-    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": generator}
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     rows: dict[Hashable, _Row] = {}
     carry: list[Hashable] = []  # rows a swap interrupted: fed again first
     drawn = [0]
@@ -146,10 +146,11 @@ def run_stream(engine: StreamEngine, *, feed: Feed, done: Done, temperature: flo
     while True:
         if engine.fast is not None:
             live = stream_decode(engine.fast, feed=feed_rows, finish=finish, max_new_tokens=max_new_tokens,
-                                 slots=slots, eos=engine.eos, interrupt=hook, keep_prefixes=keep_prefixes,
+                                 slots=slots, eos=engine.eos, seed=seed, interrupt=hook, keep_prefixes=keep_prefixes,
                                  **sampling)
         else:
-            live = _stream_waves(engine, feed=feed_rows, finish=finish, interrupt=hook, fired=fired, **sampling)
+            live = _stream_waves(engine, feed=feed_rows, finish=finish, interrupt=hook, fired=fired, seed=seed,
+                                 **sampling)
         if live is None:  # the feed is dry and no row is live
             return swaps
         fired[0] = False
@@ -161,17 +162,19 @@ def run_stream(engine: StreamEngine, *, feed: Feed, done: Done, temperature: flo
 
 def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
                   finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None], temperature: float,
-                  top_k: int, top_p: float, max_new_tokens: int, slots: int, generator: torch.Generator,
+                  top_k: int, top_p: float, max_new_tokens: int, slots: int, seed: int,
                   eos: torch.Tensor, interrupt: Callable[[int], bool] | None = None, keep_prefixes: bool = False,
                   ) -> list[tuple[Hashable, torch.Tensor, torch.Tensor]] | None:
     """The fast path's stream: ``feed(k)`` gives ``(key, prompt ids, most new tokens)`` rows,
     ``finish(key, tokens, logprobs, truncated)`` takes each finished one. Returns None when the feed
     is dry and no row is live, or, when ``interrupt(steps)`` said stop, the rows not finished:
-    ``(key, tokens so far, logprobs)`` (queued ones with none). ``keep_prefixes``: finished rows stay
-    parked by key, and a row fed again that extends its prefix prefills only its new tokens
-    (:mod:`spmd_rl.rollout.prefixes`)."""
+    ``(key, tokens so far, logprobs)`` (queued ones with none). A sampled row draws from its own
+    uniforms, seeded by ``seed``, its key and its prompt's length
+    (:func:`~spmd_rl.rollout.sampling.row_seed`): what it samples does not depend on when the feed gave
+    it. ``keep_prefixes``: finished rows stay parked by key, and a row fed again that extends its prefix
+    prefills only its new tokens (:mod:`spmd_rl.rollout.prefixes`)."""
     rows = SlotStream(fast, feed=feed, finish=finish, max_new_tokens=max_new_tokens, slots=slots, eos=eos,
-                      keep_prefixes=keep_prefixes)
+                      seed=seed, keep_prefixes=keep_prefixes)
     spare = rows.start(temperature=temperature)
     cur = rows.cap
     rows.pull(cur)
@@ -182,7 +185,7 @@ def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hasha
     span = fast.span(top + fast.check_every + 1)
     step = 0
     while True:
-        fast.decode_slots(cur, span, mode, generator)
+        fast.decode_slots(cur, span, mode)
         step += 1
         stopped = interrupt is not None and interrupt(step)
         if not stopped and step % fast.check_every:
@@ -208,19 +211,22 @@ def stream_decode(fast: "FastDecoder", *, feed: Callable[[int], list[tuple[Hasha
 
 def _stream_waves(engine: StreamEngine, *, feed: Callable[[int], list[tuple[Hashable, list[int], int]]],
                   finish: Callable[[Hashable, torch.Tensor, torch.Tensor, bool], None],
-                  interrupt: Callable[[int], bool] | None, fired: list[bool],
+                  interrupt: Callable[[int], bool] | None, fired: list[bool], seed: int,
                   **sampling) -> list[tuple[Hashable, torch.Tensor, torch.Tensor]] | None:
     """The Hugging Face loop's stream: waves of ``batch_size`` rows; the same results as
     :func:`stream_decode` (None, or the rows an interrupt left unfinished; ``fired[0]``: the
-    interrupt said stop)."""
+    interrupt said stop). A wave samples from a generator seeded by ``seed`` and its first row (its key
+    and prompt length), so that waves of different calls with one seed do not repeat each other."""
+    generator = torch.Generator(device=engine.device)
     while True:
         wave = feed(engine.batch_size)
         if not wave:
             return None
+        generator.manual_seed(row_seed(seed, wave[0][0], len(wave[0][1])))
         limits = torch.tensor([limit for _, _, limit in wave])
         tokens, mask, logprobs, truncated = (x.cpu() for x in engine.generate_hf(
             [ids for _, ids, _ in wave], max_new_tokens=int(limits.max()), limits=limits, interrupt=interrupt,
-            **sampling))
+            generator=generator, **sampling))
         lengths, width = mask.sum(1).long().tolist(), tokens.shape[1]
         live = []
         for i, (key, _, limit) in enumerate(wave):

@@ -1,4 +1,5 @@
-"""Environments for the episode tests (``--env.fn support.envs:Class``), deterministic."""
+"""Environments for the episode tests (``--env.fn support.envs:Class``): what they answer is
+deterministic (how long :class:`Unhurried` takes is not)."""
 
 from __future__ import annotations
 
@@ -33,4 +34,16 @@ class HangsOnStep(ThreeTurns):
 
     def step(self, reply: str) -> tuple[list[dict], float, bool]:
         self.release.wait()
+        return super().step(reply)
+
+
+class Unhurried(ThreeTurns):
+    """:class:`ThreeTurns` that takes an unseeded random 0-50 ms per step, as a busy machine or a remote
+    environment would: the order in which episodes come back differs from run to run."""
+
+    def step(self, reply: str) -> tuple[list[dict], float, bool]:
+        import random
+        import time
+
+        time.sleep(random.SystemRandom().uniform(0.0, 0.05))
         return super().step(reply)
