@@ -436,4 +436,5 @@ def _direct_http_client() -> Any:
     cls = getattr(openai, "DefaultHttpx2Client", None) or openai.DefaultHttpxClient
     return cls(trust_env=False)
 
+
 __all__ = ["AgentRunner", "BadRequest", "MODEL_NAME", "load_agent", "tools_prompt_from_schemas"]
