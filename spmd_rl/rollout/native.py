@@ -254,7 +254,9 @@ class NativeRollout(RolloutWeights):
         ``swap`` and ``look`` as in :meth:`generate`. ``keep_prefixes``: on the fast path a finished
         row's K/V stays parked under its key until its slot is needed, and a row fed again under that
         key that extends it prefills only its new tokens (:mod:`spmd_rl.rollout.prefixes`; multi-turn
-        episodes, whose keys are episodes); :meth:`forget_prefixes` when the keys are done."""
+        episodes, whose keys are episodes); :meth:`forget_prefixes` when the keys are done. On the fast
+        path a sampled row draws from its own uniforms, seeded by ``seed``, its key and its prompt's
+        length: the same rows sample the same tokens whenever the feed gives them."""
         check_sampling_args([[0]], n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens)
         self._check_awake("stream")
         if self.max_positions is not None and max_prompt_length + max_new_tokens > self.max_positions:
