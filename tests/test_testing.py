@@ -65,14 +65,23 @@ def test_rendezvous_ports_lie_below_the_ephemeral_range_and_are_never_handed_out
 
 def test_a_port_in_use_or_handed_out_is_skipped(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(testing, "PORTS_FILE", str(tmp_path / "ports"))
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        busy = held.getsockname()[1]
-        if not testing._bindable(busy + 1):  # taken by some other socket of this machine: not this test's case
-            pytest.skip(f"port {busy + 1} is in use")
+    held = []
+    for _ in range(50):  # a listened-on port whose neighbour nothing holds
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        held.append(s)
+        busy = s.getsockname()[1]
+        if testing._bindable(busy + 1):
+            break
+    else:
+        raise AssertionError("50 listening ports in a row had their next port taken")
+    try:
         monkeypatch.setattr(testing, "_below_ephemeral_range", lambda: (busy, busy + 2))
         port = free_port()
         assert port == busy + 1  # the only one nothing listens on
         with pytest.raises(RuntimeError, match=f"no free TCP port in {busy}..{busy + 1} .1 handed out"):
             free_port()  # busy + 1 is reserved for the test that got it
+    finally:
+        for s in held:
+            s.close()
